@@ -1,0 +1,45 @@
+"""The global order of samples, computed identically by every worker, and each worker's slice."""
+from __future__ import annotations
+
+import torch
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """A permutation of the dataset that depends only on (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+def slice_bounds(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Worker ``rank``'s part [start, stop) of a batch: sizes differ by at most one.
+
+    The first ``batch_size % world_size`` workers take one sample more.
+    """
+    base, extra = divmod(batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class GlobalBatches:
+    """Which samples form micro-batch ``micro`` of optimizer step ``step`` of ``epoch``.
+
+    An optimizer step consumes ``accumulate`` consecutive micro-batches of ``batch_size``
+    samples, so ``accumulate=k`` with batch B/k covers the same samples as B with k=1.
+    The last incomplete global batch of an epoch is dropped.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, accumulate: int, seed: int):
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.accumulate = accumulate
+        self.seed = seed
+        self.steps_per_epoch = num_samples // (batch_size * accumulate)
+        self._epoch = -1
+        self._order = torch.empty(0, dtype=torch.long)
+
+    def indices(self, epoch: int, step: int, micro: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            self._order = epoch_order(self.num_samples, self.seed, epoch)
+            self._epoch = epoch
+        start = (step * self.accumulate + micro) * self.batch_size
+        return self._order[start : start + self.batch_size]

@@ -1,0 +1,140 @@
+"""Parameters held once in shared memory, and each worker's shard of them for the optimizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice [start, stop) of the flat parameters that one worker updates.
+
+    ``padded_size`` is the equal chunk every worker receives from a reduce-scatter; the last
+    shard's tail beyond the real parameters is padding and is never handed to the optimizer.
+    """
+
+    start: int
+    stop: int
+    padded_size: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def shard_bounds(numel: int, world_size: int) -> list[Shard]:
+    """Split ``numel`` parameters into ``world_size`` equal padded chunks."""
+    padded = -(-numel // world_size)  # ceil division
+    return [
+        Shard(start=min(r * padded, numel), stop=min((r + 1) * padded, numel), padded_size=padded)
+        for r in range(world_size)
+    ]
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class SharedParams:
+    """All trainable parameters of a model as views of ONE flat shared-memory tensor.
+
+    Created in the launching process from the caller's model, whose parameters are re-pointed
+    at the flat tensor so that sending the model to a worker sends a handle, not a copy.
+    Buffers (e.g. batch-norm statistics) are moved to shared memory in place.
+    """
+
+    def __init__(self, model: nn.Module, world_size: int):
+        params = trainable_parameters(model)
+        if not params:
+            raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ValueError(
+                f"all trainable parameters must share one floating dtype, found {sorted(map(str, dtypes))}; "
+                "convert the model with model.float() first"
+            )
+        if any(p.device.type != "cpu" for p in params):
+            raise ValueError("sn_trainer trains on the CPU: move the model there with model.cpu() first")
+        self.numel = sum(p.numel() for p in params)
+        self.shards = shard_bounds(self.numel, world_size)
+        padded_total = self.shards[0].padded_size * world_size
+        self.flat = torch.zeros(padded_total, dtype=params[0].dtype).share_memory_()
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset : offset + n].view_as(p)
+            offset += n
+        for buf in model.buffers():
+            buf.share_memory_()
+
+    @staticmethod
+    def release(model: nn.Module) -> None:
+        """Give the caller's model private copies again, so no shared memory outlives the run."""
+        for p in model.parameters():
+            if p.is_shared():
+                p.data = p.data.clone()
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_shared():
+                    module._buffers[name] = buf.clone()
+
+
+def bind_replica(model: nn.Module, flat: torch.Tensor) -> None:
+    """In a worker: make sure every trainable parameter is a view of ``flat``, in model order.
+
+    The unpickled model normally arrives that way already; binding again makes the layout a
+    checked fact instead of a property of how tensors happen to be pickled.
+    """
+    offset = 0
+    for p in trainable_parameters(model):
+        n = p.numel()
+        p.data = flat[offset : offset + n].view_as(p)
+        offset += n
+
+
+def private_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Give this replica private copies of its buffers; return (module, name, shared) triples.
+
+    Only rank 0 writes the shared buffers (like DDP, whose buffers follow rank 0): running
+    statistics updated by several processes at once would race. Others refresh their copy
+    from the shared one before evaluating.
+    """
+    links = []
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+                links.append((module, name, buf))
+    return links
+
+
+def refresh_buffers(links: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for module, name, shared in links:
+        module._buffers[name].copy_(shared)
+
+
+def attach_gradients(model: nn.Module, grad_flat: torch.Tensor) -> None:
+    """Point every parameter's ``.grad`` at its slice of one flat buffer.
+
+    Autograd then accumulates straight into ``grad_flat``, which is what gets reduced, so the
+    step needs no gather of gradients and no allocation.
+    """
+    offset = 0
+    for p in trainable_parameters(model):
+        n = p.numel()
+        p.grad = grad_flat[offset : offset + n].view_as(p)
+        offset += n
+
+
+def shard_parameter(flat: torch.Tensor, shard: Shard) -> nn.Parameter | None:
+    """This worker's slice of the shared parameters, as the one tensor its optimizer owns.
+
+    Every elementwise optimizer (SGD, Adam, AdamW, RMSprop...) computes on a slice exactly
+    what it would compute on the whole, so sharding changes nothing but where state lives.
+    """
+    if shard.size == 0:
+        return None
+    return nn.Parameter(flat[shard.start : shard.stop], requires_grad=True)

@@ -1,0 +1,234 @@
+"""What one worker process does: set itself up, then train its share of every global batch."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..data.batching import fetch_batch
+from ..data.sampler import GlobalBatches, slice_bounds
+from .comm import make_reducer
+from .shared import (attach_gradients, bind_replica, private_buffers, refresh_buffers, shard_bounds,
+                     shard_parameter)
+
+PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
+
+
+@dataclass
+class StepPlan:
+    """What every worker needs to know to walk through the run in lockstep."""
+
+    batch_size: int
+    accumulate: int
+    total_steps: int
+    steps_per_epoch: int
+    seed: int
+    clip_grad_norm: float | None
+    reduce: str
+    log_every: int
+    eval_batch_size: int
+    evaluate_each_epoch: bool = False  # and after the last step
+    evaluate_only: bool = False
+
+
+@dataclass
+class Job:
+    """Everything the workers share. Tensors in it live in shared memory: pickling sends handles."""
+
+    model: nn.Module
+    flat: torch.Tensor
+    numel: int
+    train_set: Dataset | None
+    eval_set: Dataset | None
+    optimizer: Callable[..., torch.optim.Optimizer] | None
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None
+    loss_fn: Callable[..., torch.Tensor]
+    plan: StepPlan
+    losses: torch.Tensor  # [2, world]: each worker's weighted loss, double-buffered by step parity
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    world_size: int
+    cpus: tuple[int, ...]
+    threads: int
+    store_path: str
+    job: Job
+
+
+@dataclass
+class PhaseTimer:
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+
+def pin_and_set_threads(cpus: tuple[int, ...], threads: int) -> None:
+    """Pin this process to its cores and give torch exactly ``threads`` intra-op threads."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already fixed: only possible before the first parallel work
+        pass
+
+
+class Replica:
+    """This worker's model replica, its gradient buffer, its shard of the optimizer and its peers."""
+
+    def __init__(self, spec: WorkerSpec):
+        job, plan = spec.job, spec.job.plan
+        self.rank, self.world_size = spec.rank, spec.world_size
+        self.job, self.plan = job, plan
+        self.model = job.model
+        bind_replica(self.model, job.flat)
+        self.buffer_links = private_buffers(self.model) if self.rank != 0 else []
+        self.grad_flat = torch.zeros_like(job.flat)
+        attach_gradients(self.model, self.grad_flat)
+        self.shard = shard_bounds(job.numel, spec.world_size)[spec.rank]
+        self.shard_param = shard_parameter(job.flat, self.shard)
+        self.optimizer = None
+        self.scheduler = None
+        if job.optimizer is not None and self.shard_param is not None:
+            self.optimizer = job.optimizer([self.shard_param])
+            if job.scheduler is not None:
+                self.scheduler = job.scheduler(self.optimizer)
+        self.reducer = make_reducer(spec.store_path, spec.rank, spec.world_size, self.shard, plan.reduce)
+        self.batches = None
+        if job.train_set is not None:
+            self.batches = GlobalBatches(len(job.train_set), plan.batch_size, plan.accumulate, plan.seed)
+        self.slice = slice_bounds(plan.batch_size, spec.world_size, spec.rank)
+        # The share of the step's loss this worker carries: b_r / (B * accumulate). The sum of
+        # the workers' gradients is then exactly the gradient of the step's mean loss.
+        self.loss_weight = (self.slice[1] - self.slice[0]) / (plan.batch_size * plan.accumulate)
+
+    def micro_batch(self, epoch: int, step_in_epoch: int, micro: int):
+        indices = self.batches.indices(epoch, step_in_epoch, micro)[self.slice[0] : self.slice[1]]
+        return fetch_batch(self.job.train_set, indices)
+
+    def update(self, shard_grad: torch.Tensor) -> None:
+        """Clip by the global norm, step this shard's optimizer, clear the gradient buffer."""
+        if self.plan.clip_grad_norm is not None:
+            sq = torch.zeros(1, dtype=torch.float64)
+            sq += shard_grad.double().pow(2).sum() if shard_grad.numel() else 0.0
+            total_norm = math.sqrt(self.reducer.all_reduce_sum(sq).item())
+            coef = self.plan.clip_grad_norm / (total_norm + 1e-6)
+            if coef < 1.0:
+                shard_grad.mul_(coef)
+        if self.optimizer is not None:
+            self.shard_param.grad = shard_grad
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.grad_flat.zero_()
+
+    def current_lr(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Dataset) -> dict[str, float]:
+        """Exact loss and accuracy over the whole of ``dataset``, each worker taking a slice."""
+        self.model.eval()
+        refresh_buffers(self.buffer_links)
+        start, stop = slice_bounds(len(dataset), self.world_size, self.rank)
+        per_item = getattr(self.job.loss_fn, "reduction", "mean") == "mean"
+        totals = torch.zeros(4, dtype=torch.float64)  # loss sum, correct, samples, classified
+        for lo in range(start, stop, self.plan.eval_batch_size):
+            indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
+            inputs, targets = fetch_batch(dataset, indices)
+            outputs = self.model(inputs)
+            loss = float(self.job.loss_fn(outputs, targets))
+            totals[0] += loss * len(indices) if per_item else loss
+            totals[2] += len(indices)
+            if outputs.dim() == 2 and not targets.is_floating_point():
+                totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
+                totals[3] += len(indices)
+        self.reducer.all_reduce_sum(totals)
+        self.model.train()
+        result = {"eval_loss": totals[0].item() / totals[2].item(), "eval_samples": int(totals[2].item())}
+        if totals[3] > 0:
+            result["eval_accuracy"] = totals[1].item() / totals[3].item()
+        return result
+
+    def close(self) -> None:
+        self.reducer.close()
+
+
+def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
+    """The worker's whole life: set up, train (and/or evaluate), return what it measured."""
+    pin_and_set_threads(spec.cpus, spec.threads)
+    torch.manual_seed(spec.job.plan.seed * 1000 + spec.rank)
+    replica = Replica(spec)
+    try:
+        if spec.job.plan.evaluate_only:
+            return replica.evaluate(spec.job.eval_set)
+        return train(replica, send)
+    finally:
+        replica.close()
+
+
+def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
+    """The training loop. Every worker runs it in lockstep; rank 0 also reports progress."""
+    plan, job, model = replica.plan, replica.job, replica.model
+    timer = PhaseTimer()
+    reporting = replica.rank == 0
+    step_samples = plan.batch_size * plan.accumulate
+    eval_seconds, eval_metrics, loss = 0.0, {}, float("nan")
+    started = last_log_time = time.perf_counter()
+    last_log_step = 0
+    model.train()
+    for step in range(plan.total_steps):
+        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+        weighted_loss = 0.0
+        for micro in range(plan.accumulate):
+            with timer("data"):
+                inputs, targets = replica.micro_batch(epoch, step_in_epoch, micro)
+            with timer("forward"):
+                micro_loss = job.loss_fn(model(inputs), targets) * replica.loss_weight
+            with timer("backward"):
+                micro_loss.backward()
+            weighted_loss += micro_loss.item()
+        job.losses[step % 2, replica.rank] = weighted_loss
+        with timer("reduce"):
+            shard_grad = replica.reducer.reduce(replica.grad_flat)
+        with timer("update"):
+            replica.update(shard_grad)
+        with timer("wait"):
+            replica.reducer.barrier()  # nobody reads parameters that are still being written
+        # Safe to read right after the barrier: a peer writes this parity again only after
+        # the next one.
+        loss = job.losses[step % 2].sum().item()
+
+        done = step + 1
+        end_of_epoch = done % plan.steps_per_epoch == 0
+        if reporting and (done % plan.log_every == 0 or end_of_epoch or done == plan.total_steps):
+            now = time.perf_counter()
+            send({"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss, "lr": replica.current_lr(),
+                  "samples_per_sec": (done - last_log_step) * step_samples / (now - last_log_time)})
+            last_log_step, last_log_time = done, now
+        if plan.evaluate_each_epoch and (end_of_epoch or done == plan.total_steps):
+            eval_started = time.perf_counter()
+            eval_metrics = replica.evaluate(job.eval_set)
+            eval_seconds += time.perf_counter() - eval_started
+            last_log_time += time.perf_counter() - eval_started
+            if reporting:
+                send({"step": done, "epoch": done / plan.steps_per_epoch, **eval_metrics})
+    train_seconds = time.perf_counter() - started - eval_seconds
+    return {"phase_seconds": timer.seconds, "steps": plan.total_steps, "train_seconds": train_seconds,
+            "eval_seconds": eval_seconds, "final_loss": loss, **eval_metrics}

@@ -1,0 +1,92 @@
+"""Small models, datasets and a reference loop shared by the tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from sn_trainer.data.sampler import GlobalBatches
+
+
+class SmallConvNet(nn.Module):
+    """A conv net without batch norm: its result cannot depend on how a batch is split."""
+
+    def __init__(self, channels: int = 1, classes: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def tiny_dataset(n: int = 84, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def reference_fit(model, dataset, batch_size, steps, seed, optimizer, scheduler=None, clip=None):
+    """Plain single-process PyTorch over the same global batches the workers split."""
+    batches = GlobalBatches(len(dataset), batch_size, 1, seed)
+    opt = optimizer(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    inputs, targets = dataset.tensors
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        epoch, in_epoch = divmod(step, batches.steps_per_epoch)
+        idx = batches.indices(epoch, in_epoch, 0)
+        opt.zero_grad()
+        loss_fn(model(inputs[idx]), targets[idx]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+    return model
+
+
+class Bomb(nn.Module):
+    """Wraps a model; on its ``at_call``-th forward, the first worker to get there fails.
+
+    The flag file decides which worker (O_EXCL: exactly one wins) and records when it failed,
+    so a test can time the teardown from the failure itself.
+    """
+
+    def __init__(self, inner: nn.Module, flag_path: str, action: str, at_call: int = 3):
+        super().__init__()
+        self.inner, self.flag_path, self.action, self.at_call = inner, flag_path, action, at_call
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at_call:
+            try:
+                fd = os.open(self.flag_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return self.inner(x)
+            os.write(fd, f"{time.time()} {os.getpid()}".encode())
+            os.close(fd)
+            if self.action == "raise":
+                raise RuntimeError("boom: injected failure")
+            os.kill(os.getpid(), 9)
+        return self.inner(x)
+
+
+def live_children() -> list[psutil.Process]:
+    """This process's descendants, less multiprocessing's resource tracker.
+
+    The tracker is one per parent, started with the first spawned process and kept for reuse;
+    it belongs to this (test) process, not to any run.
+    """
+    kids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                kids.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return kids
