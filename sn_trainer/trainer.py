@@ -159,7 +159,7 @@ class Trainer:
                         steps_per_epoch=steps_per_epoch, seed=cfg.seed, clip_grad_norm=cfg.clip_grad_norm,
                         reduce=cfg.reduce, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size, **flags)
 
-    def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay):
+    def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay, target=run_worker):
         for obj, what in ((model, "the model"), (loss_fn, "loss_fn"), (optimizer, "the optimizer factory"),
                           (scheduler, "the scheduler factory"), (train_set, "train_set"), (eval_set, "eval_set")):
             _check_sendable(obj, what)
@@ -176,7 +176,7 @@ class Trainer:
             specs = [WorkerSpec(rank=r, world_size=self.workers, cpus=pinning[r], threads=self.config.threads,
                                 store_path=f"{rendezvous_dir}/store", job=job) for r in range(self.workers)]
             peak = PeakMemory()
-            results = launch(run_worker, specs, on_message=relay, on_tick=peak)
+            results = launch(target, specs, on_message=relay, on_tick=peak)
             return results, peak.peak_bytes
         finally:
             SharedParams.release(model)

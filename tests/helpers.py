@@ -90,3 +90,31 @@ def live_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
     return kids
+
+
+def probe_replica(spec, send):
+    """A worker target that inspects its replica instead of training (see test_shared_memory)."""
+    from sn_trainer.engine.worker import Replica
+
+    replica = Replica(spec)
+    params = list(replica.model.parameters())
+    flat_pointer = spec.job.flat.untyped_storage().data_ptr()
+    report = {
+        "storages": sorted({p.untyped_storage().data_ptr() for p in params}) == [flat_pointer],
+        "all_shared": all(p.is_shared() for p in params),
+        "shard_size": replica.shard.size,
+    }
+    replica.reducer.barrier()
+    if spec.rank == 1:
+        with torch.no_grad():
+            params[0].view(-1)[0] = 42.0
+    replica.reducer.barrier()
+    report["seen"] = params[0].view(-1)[0].item()  # rank 0 sees rank 1's write
+    replica.reducer.barrier()
+    replica.grad_flat.fill_(1.0)
+    replica.update(replica.reducer.reduce(replica.grad_flat))
+    replica.reducer.barrier()
+    state = replica.optimizer.state[replica.shard_param]
+    report["state_numel"] = sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    replica.close()
+    return report

@@ -70,3 +70,32 @@ def test_clip_by_global_norm_across_shards_and_scheduler():
 def test_other_elementwise_optimizers(optimizer):
     model, reference, _ = fit_both(2, 7, optimizer)
     assert_same_parameters(model, reference)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_evaluate_is_exact_over_the_whole_set(workers):
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    dataset = tiny_dataset(n=29)  # split 15/14 or 10/10/9, in chunks smaller than a slice
+    inputs, targets = dataset.tensors
+    with torch.no_grad():
+        outputs = model(inputs)
+    expected_loss = torch.nn.functional.cross_entropy(outputs, targets).item()
+    expected_accuracy = (outputs.argmax(1) == targets).sum().item() / 29
+    metrics = Trainer(workers=workers, batch_size=8, eval_batch_size=4).evaluate(model, dataset)
+    assert metrics["eval_samples"] == 29
+    assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert metrics["eval_accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
+
+
+def test_fit_reports_eval_metrics_loss_and_phases():
+    model, _, _ = fit_both(1, 12, OPTIMIZERS["sgd"])
+    result = Trainer(workers=2, batch_size=12, epochs=2, seed=3).fit(
+        model, tiny_dataset(), eval_set=tiny_dataset(n=30, seed=9), optimizer=OPTIMIZERS["sgd"])
+    assert result.steps == 2 * (84 // 12)
+    assert result.eval_accuracy is not None and 0.0 <= result.eval_accuracy <= 1.0
+    assert result.final_loss > 0 and result.samples_per_sec > 0 and result.per_worker_batch == 6.0
+    assert set(result.phase_seconds) == {"data", "forward", "backward", "reduce", "update", "wait"}
+    assert all(v >= 0 for v in result.phase_seconds.values()) and result.phase_seconds["forward"] > 0
+    epochs_evaluated = [r["epoch"] for r in result.history if "eval_loss" in r]
+    assert epochs_evaluated == [1.0, 2.0]

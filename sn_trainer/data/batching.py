@@ -7,6 +7,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..config import ConfigError
+
 
 def fetch_batch(dataset: Dataset, indices: torch.Tensor) -> tuple[Any, Any]:
     """Gather ``indices`` from ``dataset`` as one batch.
@@ -30,17 +32,17 @@ def check_sample(dataset: Dataset, name: str) -> None:
     try:
         size = len(dataset)
     except TypeError:
-        raise ValueError(f"{name} must be a map-style dataset with __len__ and __getitem__") from None
+        raise ConfigError(f"{name} must be a map-style dataset with __len__ and __getitem__") from None
     if size == 0:
-        raise ValueError(f"{name} is empty")
+        raise ConfigError(f"{name} is empty")
     item = dataset[0]
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise ValueError(
+        raise ConfigError(
             f"{name}[0] is {type(item).__name__}, not an (input, target) pair; "
             "wrap the dataset so that __getitem__ returns (input, target)"
         )
     if not isinstance(item[0], torch.Tensor):
-        raise ValueError(f"{name}[0][0] (the input) is {type(item[0]).__name__}, not a torch.Tensor")
+        raise ConfigError(f"{name}[0][0] (the input) is {type(item[0]).__name__}, not a torch.Tensor")
 
 
 def share_dataset(dataset: Dataset) -> None:

@@ -1,0 +1,89 @@
+"""A worker that raises or dies stops the run fast, with its story, and leaves nothing behind."""
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from helpers import Bomb, SmallConvNet, tiny_dataset
+from sn_trainer import ConfigError, Trainer, WorkerFailed
+
+pytestmark = pytest.mark.timeout(120)
+SGD = functools.partial(torch.optim.SGD, lr=0.05)
+
+
+def failing_fit(tmp_path, action):
+    flag = tmp_path / "flag"
+    model = Bomb(SmallConvNet(), str(flag), action)
+    with pytest.raises(WorkerFailed) as caught:
+        Trainer(workers=2, batch_size=8, max_steps=50).fit(model, tiny_dataset(), optimizer=SGD)
+    failed_at = float(flag.read_text().split()[0])
+    return caught.value, time.time() - failed_at
+
+
+def test_a_worker_that_raises_stops_fit_with_its_traceback(tmp_path, no_leaks):
+    error, seconds = failing_fit(tmp_path, "raise")
+    assert "boom: injected failure" in str(error)
+    assert "Traceback" in str(error) and f"worker {error.rank} failed" in str(error)
+    assert seconds < 10
+
+
+def test_a_sigkilled_worker_stops_fit_naming_the_signal(tmp_path, no_leaks):
+    error, seconds = failing_fit(tmp_path, "kill")
+    assert "killed by SIGKILL" in str(error)
+    assert seconds < 10
+
+
+def test_two_runs_at_once_both_succeed(no_leaks):
+    def run(_):
+        torch.manual_seed(0)
+        model = SmallConvNet()
+        Trainer(workers=2, batch_size=8, max_steps=10, seed=5).fit(model, tiny_dataset(), optimizer=SGD)
+        return model
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(run, range(2))
+    for p, q in zip(first.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+
+
+class DictDataset(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.zeros(1, 8, 8), "y": 0}
+
+
+class ModelWithLambda(SmallConvNet):
+    def __init__(self):
+        super().__init__()
+        self.activation = lambda x: x
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(workers=0), "workers must be >= 1"),
+    (dict(workers=2, batch_size=1), "batch_size=1 is smaller than workers=2"),
+    (dict(threads=0), "threads must be >= 1"),
+    (dict(workers="many"), "workers must be a positive integer or 'auto'"),
+    (dict(reduce="broadcast"), "reduce must be one of all_reduce, reduce_scatter"),
+    (dict(accumulate=0), "accumulate must be >= 1"),
+    (dict(epochs=0), "epochs must be >= 1"),
+])
+def test_bad_settings_are_refused_up_front(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        Trainer(**settings)
+
+
+def test_bad_arguments_to_fit_are_refused_before_any_process_starts(no_leaks):
+    trainer = Trainer(workers=2, batch_size=8, max_steps=1)
+    with pytest.raises(ConfigError, match="the model cannot be sent to a worker process"):
+        trainer.fit(ModelWithLambda(), tiny_dataset(), optimizer=SGD)
+    with pytest.raises(ConfigError, match=r"not an \(input, target\) pair"):
+        trainer.fit(SmallConvNet(), DictDataset(), optimizer=SGD)
+    with pytest.raises(ConfigError, match="fewer than one step's batch"):
+        trainer.fit(SmallConvNet(), tiny_dataset(n=5), optimizer=SGD)
+    with pytest.raises(ConfigError, match="the optimizer factory cannot be sent"):
+        trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))

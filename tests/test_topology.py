@@ -1,0 +1,81 @@
+"""Topology read from fabricated /sys trees, and the pinning plan made from it."""
+import logging
+
+import pytest
+
+from sn_trainer.engine.topology import auto_workers, parse_cpu_list, plan_pinning, read_topology
+
+
+def make_sys(tmp_path, sockets, cores_per_socket, smt):
+    """A sysfs tree like Linux's: logical CPUs numbered socket-major, SMT siblings in the top half."""
+    root = tmp_path / "sys"
+    cpu_dir = root / "devices" / "system" / "cpu"
+    physical = sockets * cores_per_socket
+    logical = physical * (2 if smt else 1)
+    cpu_dir.mkdir(parents=True)
+    (cpu_dir / "online").write_text(f"0-{logical - 1}\n")
+    nodes = {s: [] for s in range(sockets)}
+    for cpu in range(logical):
+        core_index = cpu % physical
+        socket, core_id = divmod(core_index, cores_per_socket)
+        siblings = [core_index, core_index + physical] if smt else [core_index]
+        topo = cpu_dir / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{socket}\n")
+        (topo / "core_id").write_text(f"{core_id}\n")
+        (topo / "thread_siblings_list").write_text(",".join(map(str, siblings)) + "\n")
+        nodes[socket].append(cpu)
+    for socket, cpus in nodes.items():
+        node = root / "devices" / "system" / "node" / f"node{socket}"
+        node.mkdir(parents=True)
+        (node / "cpulist").write_text(",".join(map(str, cpus)) + "\n")
+    return root
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpu_list("5") == [5]
+
+
+def test_two_sockets_with_smt(tmp_path):
+    topo = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=4, smt=True))
+    assert (topo.physical_cores, topo.logical_cpus, topo.numa_nodes, topo.smt) == (8, 16, 2, True)
+    assert topo.cores[0].cpus == (0, 8)  # a core and its hyper-thread sibling
+    assert [c.numa_node for c in topo.cores] == [0] * 4 + [1] * 4
+    assert auto_workers(topo, threads=1) == 8
+    assert auto_workers(topo, threads=3) == 2
+    # One logical CPU per physical core; a worker's cores stay on one socket when they can.
+    assert plan_pinning(topo, workers=4, threads=2) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_two_sockets_without_smt(tmp_path):
+    topo = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=2, smt=False))
+    assert (topo.physical_cores, topo.logical_cpus, topo.numa_nodes, topo.smt) == (4, 4, 2, False)
+    assert plan_pinning(topo, workers=4, threads=1) == [(0,), (1,), (2,), (3,)]
+
+
+def test_affinity_mask_restricts_the_cores(tmp_path):
+    # As under taskset or a container's cpuset: only the allowed CPUs count.
+    topo = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=4, smt=True), allowed={4, 5, 12, 13})
+    assert topo.physical_cores == 2 and topo.cores[0].cpus == (4, 12)
+    assert auto_workers(topo, threads=1) == 2
+
+
+def test_oversubscription_warns_and_shares_cores(tmp_path, caplog):
+    topo = read_topology(make_sys(tmp_path, sockets=1, cores_per_socket=2, smt=False))
+    with caplog.at_level(logging.WARNING):
+        plan = plan_pinning(topo, workers=3, threads=1)
+    assert plan == [(0,), (1,), (0,)]
+    assert "exceeds the 2 physical cores" in caplog.text
+
+
+def test_this_machine_has_at_least_one_core():
+    topo = read_topology()
+    assert topo.physical_cores >= 1
+
+
+def test_empty_tree_is_an_error(tmp_path):
+    (tmp_path / "devices" / "system" / "cpu").mkdir(parents=True)
+    (tmp_path / "devices" / "system" / "cpu" / "online").write_text("\n")
+    with pytest.raises(RuntimeError, match="no usable CPU"):
+        read_topology(tmp_path)
