@@ -1,7 +1,7 @@
 """Typed, validated settings: what the Trainer takes, and what the command line composes."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Which collective turns the workers' gradients into each worker's summed shard (engine/comm.py).
@@ -75,3 +75,121 @@ class TrainerConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "lenet"
+    """lenet, cifar10_quick, mlp, or any torchvision classification model (resnet18...)."""
+    hidden: list[int] | None = None
+    """mlp only: sizes of the hidden layers."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(self.name), "model.name must be a non-empty string")
+        _require(self.hidden is None or (self.name == "mlp" and all(_is_int(h) and h > 0 for h in self.hidden)),
+                 f"model.hidden applies to model=mlp only, as positive sizes; got {self.hidden!r} for {self.name}")
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "fashion_mnist"
+    """fashion_mnist, mnist, cifar10, synthetic or folder."""
+    root: str | None = None
+    """Where the files are (or go, with download=true)."""
+    download: bool = False
+    """Let torchvision download the dataset into root when it is not found (needs internet)."""
+    augment: bool | None = None
+    """Random crop + flip; default: on for cifar10 only."""
+    shape: list[int] = field(default_factory=lambda: [1, 28, 28])
+    """synthetic: [C, H, W] of the images."""
+    num_classes: int = 10
+    """synthetic: number of classes."""
+    train_size: int = 8192
+    """synthetic: training samples."""
+    test_size: int = 1024
+    """synthetic: test samples."""
+    image_size: int = 32
+    """folder: images are resized to image_size x image_size."""
+    test_fraction: float = 0.1
+    """folder without train/ and test/ sub-folders: share held out for testing."""
+    seed: int = 0
+    """synthetic data and the folder split."""
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.train_size) and self.train_size >= 1, "dataset.train_size must be >= 1")
+        _require(_is_int(self.test_size) and self.test_size >= 1, "dataset.test_size must be >= 1")
+        _require(_is_int(self.image_size) and self.image_size >= 1, "dataset.image_size must be >= 1")
+        _require(0 < self.test_fraction < 1, f"dataset.test_fraction must be in (0, 1), got {self.test_fraction}")
+
+
+SCHEDULES = ("constant", "cosine", "step")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    """sgd or adamw."""
+    lr: float = 0.02
+    """Base learning rate (before scale_lr)."""
+    momentum: float = 0.9
+    """sgd only."""
+    nesterov: bool = False
+    """sgd only."""
+    weight_decay: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw only."""
+    schedule: str = "cosine"
+    """constant, cosine (to zero at the last step) or step (times gamma every step_every steps)."""
+    warmup_steps: int = 0
+    """Linear warm-up from lr/warmup_steps to lr over this many steps, before the schedule."""
+    step_every: int = 1000
+    """step schedule: optimizer steps between decays."""
+    gamma: float = 0.1
+    """step schedule: decay factor."""
+    scale_lr: bool = False
+    """Linear scaling rule: lr = base lr x (batch_size x accumulate) / reference_batch."""
+    reference_batch: int = 256
+
+    def __post_init__(self) -> None:
+        _require(self.name in ("sgd", "adamw"), f"unknown optimizer {self.name!r}; choose one of sgd, adamw")
+        _require(isinstance(self.lr, (int, float)) and self.lr > 0, f"optim.lr must be > 0, got {self.lr!r}")
+        _require(self.momentum >= 0, f"optim.momentum must be >= 0, got {self.momentum}")
+        _require(not self.nesterov or self.momentum > 0, "optim.nesterov=true needs optim.momentum > 0")
+        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        _require(_is_int(self.warmup_steps) and self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        _require(_is_int(self.step_every) and self.step_every >= 1, "optim.step_every must be >= 1")
+        _require(0 < self.gamma <= 1, f"optim.gamma must be in (0, 1], got {self.gamma}")
+        _require(_is_int(self.reference_batch) and self.reference_batch >= 1, "optim.reference_batch must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    """One command-line run: the trainer's settings at the top level, plus what to train."""
+
+    trainer: TrainerConfig
+    model: ModelConfig
+    dataset: DatasetConfig
+    optim: OptimConfig
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
+        """Build from a plain dict (Hydra's resolved config); unknown keys are errors."""
+        raw = dict(raw)
+        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig}
+        parts = {key: _build(kind, raw.pop(key, None) or {}, key) for key, kind in sections.items()}
+        raw.pop("hydra", None)
+        return cls(trainer=_build(TrainerConfig, raw, None), **parts)
+
+
+def _build(kind: type, values: dict[str, Any], prefix: str | None):
+    known = {f.name for f in fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: "
+                          f"{', '.join(where + k for k in sorted(known))}")
+    try:
+        return kind(**values)
+    except TypeError as exc:
+        raise ConfigError(f"bad setting: {exc}") from None

@@ -1,0 +1,283 @@
+"""Datasets by name, loaded once as uint8 tensors that workers map from shared memory."""
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..config import ConfigError, DatasetConfig
+
+DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
+TORCHVISION_DIRS = {"fashion_mnist": "FashionMNIST", "mnist": "MNIST"}
+IDX_FILES = {
+    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+class ImageTensorDataset(Dataset):
+    """uint8 images [N, C, H, W] and int64 labels, normalised (and augmented) a batch at a time.
+
+    Items come out as float tensors like torchvision's ToTensor + Normalize would give, so the
+    dataset works with any loop; the engine calls ``get_batch`` to gather a whole slice at once.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: list[float], std: list[float],
+                 num_classes: int, augment: bool = False, crop_padding: int = 4):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ConfigError(f"images must be a uint8 tensor [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(labels):
+            raise ConfigError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels.long()
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255
+        self.num_classes = num_classes
+        self.augment, self.crop_padding = augment, crop_padding
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        inputs, targets = self.get_batch(torch.tensor([index]))
+        return inputs[0], int(targets[0])
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.images[indices]
+        if self.augment:
+            images = random_crop_flip(images, self.crop_padding)
+        return (images.float() - self.mean) / self.std, self.labels[indices]
+
+    def share_memory_(self) -> "ImageTensorDataset":
+        self.images.share_memory_()
+        self.labels.share_memory_()
+        return self
+
+
+def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
+    """Per-sample random crop (after zero padding) and horizontal flip, on the whole batch."""
+    n, _, h, w = images.shape
+    padded = torch.nn.functional.pad(images, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (n, 1, 1))
+    dx = torch.randint(0, 2 * padding + 1, (n, 1, 1))
+    rows = dy + torch.arange(h).view(1, h, 1)
+    cols = dx + torch.arange(w).view(1, 1, w)
+    flip = torch.rand(n, 1, 1) < 0.5
+    cols = torch.where(flip, dx + (w - 1 - torch.arange(w)).view(1, 1, w), cols)
+    batch = torch.arange(n).view(n, 1, 1)
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass
+class Splits:
+    train: ImageTensorDataset
+    test: ImageTensorDataset
+    sample_shape: tuple[int, int, int]
+    num_classes: int
+    source: str  # where the data came from, for the log and summary.json
+
+
+def load_datasets(cfg: DatasetConfig) -> Splits:
+    """Build the train and test sets that ``cfg`` names.
+
+    Raises:
+        ConfigError: data not found (the message lists every way to provide it) or malformed.
+    """
+    loaders = {"fashion_mnist": _load_mnist_like, "mnist": _load_mnist_like, "cifar10": _load_cifar10,
+               "synthetic": _load_synthetic, "folder": _load_folder}
+    if cfg.name not in loaders:
+        raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(loaders)}")
+    (train_x, train_y), (test_x, test_y), num_classes, source = loaders[cfg.name](cfg)
+    # Statistics of the training images, per channel: exact for any dataset, no table to keep.
+    scaled = train_x.float().div_(255)
+    mean = scaled.mean(dim=(0, 2, 3)).tolist()
+    std = scaled.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist()
+    augment = cfg.augment if cfg.augment is not None else cfg.name == "cifar10"
+    train = ImageTensorDataset(train_x, train_y, mean, std, num_classes, augment=augment)
+    test = ImageTensorDataset(test_x, test_y, mean, std, num_classes)
+    return Splits(train, test, train.sample_shape, num_classes, source)
+
+
+# --- MNIST and Fashion-MNIST: IDX files ------------------------------------------------------
+
+def read_idx(path: Path) -> torch.Tensor:
+    """Read an IDX file (MNIST's format), gzipped or not, as a uint8 tensor."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+        zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+        if zero != 0 or dtype_code != 0x08:
+            raise ValueError(f"magic number {data[:4].hex()} is not an IDX uint8 file")
+        dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+        expected = 4 + 4 * ndim + int(np.prod(dims))
+        if len(data) != expected:
+            raise ValueError(f"{len(data)} bytes, expected {expected} for shape {dims}")
+    except (OSError, ValueError, struct.error, EOFError) as exc:
+        raise ConfigError(f"{path} is not a readable IDX file ({exc}); re-download or re-install it") from None
+    array = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    return torch.from_numpy(array.copy())
+
+
+def _find_idx(directory: Path, stem: str) -> Path | None:
+    for candidate in (directory / f"{stem}.gz", directory / stem):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _idx_directory(cfg: DatasetConfig) -> Path | None:
+    candidates = []
+    if cfg.root:
+        root = Path(cfg.root).expanduser()
+        candidates += [root, root / TORCHVISION_DIRS[cfg.name] / "raw"]
+    candidates.append(Path(DEBIAN_ROOTS[cfg.name]))
+    for directory in candidates:
+        if all(_find_idx(directory, stem) for pair in IDX_FILES.values() for stem in pair):
+            return directory
+    return None
+
+
+def _load_mnist_like(cfg: DatasetConfig):
+    directory = _idx_directory(cfg)
+    if directory is None and cfg.download:
+        directory = _download_torchvision(cfg)
+    if directory is None:
+        raise ConfigError(
+            f"{cfg.name} not found. Provide it one of three ways: dataset.root=<dir with the four IDX files> "
+            f"(currently {cfg.root!r}); or install Debian's package "
+            f"(apt-get install dataset-{cfg.name.replace('_', '-')}, files in {DEBIAN_ROOTS[cfg.name]}); "
+            "or add dataset.download=true to let torchvision download it into dataset.root (needs internet)")
+    splits = []
+    for train in (True, False):
+        images_stem, labels_stem = IDX_FILES[train]
+        images = read_idx(_find_idx(directory, images_stem))
+        labels = read_idx(_find_idx(directory, labels_stem))
+        if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
+            raise ConfigError(f"{directory}: {images_stem} has shape {tuple(images.shape)} and {labels_stem} "
+                              f"{tuple(labels.shape)}; expected [N, H, W] images and N labels")
+        splits.append((images.unsqueeze(1), labels.long()))
+    return splits[0], splits[1], 10, str(directory)
+
+
+def _download_torchvision(cfg: DatasetConfig) -> Path | None:
+    import torchvision
+
+    if not cfg.root:
+        raise ConfigError("dataset.download=true needs dataset.root=<dir> to download into")
+    cls = {"fashion_mnist": torchvision.datasets.FashionMNIST, "mnist": torchvision.datasets.MNIST,
+           "cifar10": torchvision.datasets.CIFAR10}[cfg.name]
+    try:
+        for train in (True, False):
+            cls(cfg.root, train=train, download=True)
+    except Exception as exc:  # noqa: BLE001 - network errors come in many types
+        raise ConfigError(f"downloading {cfg.name} into {cfg.root} failed: {exc}") from None
+    if cfg.name == "cifar10":
+        return Path(cfg.root).expanduser()
+    return _idx_directory(cfg)
+
+
+# --- CIFAR-10: torchvision's python pickle batches --------------------------------------------
+
+CIFAR_DIR = "cifar-10-batches-py"
+
+
+def _cifar_directory(cfg: DatasetConfig) -> Path | None:
+    if not cfg.root:
+        return None
+    root = Path(cfg.root).expanduser()
+    for directory in (root / CIFAR_DIR, root):
+        if (directory / "data_batch_1").is_file() and (directory / "test_batch").is_file():
+            return directory
+    return None
+
+
+def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        with open(path, "rb") as f:
+            # These are the dataset's own files in the format its authors publish (pickled
+            # dicts); only load them from a copy you trust, as with any pickle.
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = batch.get(b"labels", batch.get(b"fine_labels"))
+        images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+        return images, torch.tensor(labels, dtype=torch.long)
+    except (OSError, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path} is not a readable CIFAR-10 batch ({exc}); re-download it") from None
+
+
+def _load_cifar10(cfg: DatasetConfig):
+    directory = _cifar_directory(cfg)
+    if directory is None and cfg.download:
+        _download_torchvision(cfg)
+        directory = _cifar_directory(cfg)
+    if directory is None:
+        raise ConfigError(
+            f"cifar10 not found under dataset.root={cfg.root!r}: it needs {CIFAR_DIR}/data_batch_1..5 and "
+            "test_batch (torchvision's format); set dataset.root to the folder holding them, "
+            "or add dataset.download=true to let torchvision download it there (needs internet)")
+    parts = [_read_cifar_batch(directory / f"data_batch_{i}") for i in range(1, 6)
+             if (directory / f"data_batch_{i}").is_file()]
+    train = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    return train, _read_cifar_batch(directory / "test_batch"), 10, str(directory)
+
+
+# --- synthetic and folder ---------------------------------------------------------------------
+
+def _load_synthetic(cfg: DatasetConfig):
+    shape, classes = tuple(cfg.shape), cfg.num_classes
+    if len(shape) != 3 or min(shape) < 1 or classes < 2:
+        raise ConfigError(f"synthetic data needs dataset.shape=[C,H,W] and dataset.num_classes>=2, "
+                          f"got {list(shape)} and {classes}")
+    generator = torch.Generator().manual_seed(cfg.seed)
+
+    def make(n: int):
+        return (torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=generator),
+                torch.randint(0, classes, (n,), generator=generator))
+
+    return make(cfg.train_size), make(cfg.test_size), classes, f"synthetic {list(shape)}, {classes} classes"
+
+
+def _load_folder(cfg: DatasetConfig):
+    """Images in class sub-folders (torchvision's ImageFolder), resized to dataset.image_size."""
+    import torchvision
+    from torchvision.transforms import v2
+
+    if not cfg.root or not Path(cfg.root).expanduser().is_dir():
+        raise ConfigError(f"dataset=folder needs dataset.root=<dir of class folders>, got {cfg.root!r}")
+    root = Path(cfg.root).expanduser()
+    size = cfg.image_size
+    transform = v2.Compose([v2.PILToTensor(), v2.Resize((size, size), antialias=True)])
+
+    def read(directory: Path):
+        try:
+            folder = torchvision.datasets.ImageFolder(str(directory), transform=transform)
+        except (FileNotFoundError, OSError) as exc:
+            raise ConfigError(f"{directory}: {exc}") from None
+        if len(folder) == 0:
+            raise ConfigError(f"{directory} holds no images")
+        # ImageFolder's loader converts every image to RGB, so all come out [3, size, size].
+        images = torch.stack([folder[i][0] for i in range(len(folder))])
+        return (images, torch.tensor(folder.targets)), folder.classes
+
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        train, classes = read(root / "train")
+        test, test_classes = read(root / "test")
+        if test_classes != classes:
+            raise ConfigError(f"{root}: train/ has classes {classes} but test/ has {test_classes}")
+    else:
+        (images, labels), classes = read(root)
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(cfg.seed))
+        n_test = max(1, int(len(images) * cfg.test_fraction))
+        test = (images[order[:n_test]], labels[order[:n_test]])
+        train = (images[order[n_test:]], labels[order[n_test:]])
+    return train, test, len(classes), str(root)

@@ -1,0 +1,53 @@
+"""Progress of a run as it happens: metrics.csv, a progress bar on a terminal, log lines on a pipe."""
+from __future__ import annotations
+
+import csv
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sn_trainer")
+
+COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_sec", "eval_loss", "eval_accuracy")
+
+
+class ProgressLog:
+    """Receives the progress records rank 0 sends, as they arrive, in the launching process."""
+
+    def __init__(self, out_dir: str | Path, total_steps: int, show_bar: bool | None = None):
+        self.path = Path(out_dir) / "metrics.csv"
+        self._file = open(self.path, "w", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+        self._bar = None
+        if show_bar if show_bar is not None else sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self._step = 0
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._csv.writerow(record)
+        self._file.flush()
+        if "eval_loss" in record:
+            text = (f"epoch {record['epoch']:.2f}: eval loss {record['eval_loss']:.4f}"
+                    + (f", accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""))
+            if self._bar is not None:
+                self._bar.write(text)
+            else:
+                log.info(text)
+            return
+        if self._bar is not None:
+            self._bar.update(record["step"] - self._step)
+            self._bar.set_postfix(epoch=f"{record['epoch']:.2f}", loss=f"{record['loss']:.4f}",
+                                  samples_s=f"{record['samples_per_sec']:.0f}")
+        else:
+            log.info("step %d (epoch %.2f): loss %.4f, lr %.4g, %.0f samples/s", record["step"], record["epoch"],
+                     record["loss"], record["lr"] or 0.0, record["samples_per_sec"])
+        self._step = record["step"]
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()
