@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian machine with Python 3.11: the Fashion-MNIST package and a virtualenv
+# (.venv) holding sn_trainer and its test tools. Safe to run again; it skips what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq dataset-fashion-mnist
+fi
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# torch==2.14.1 and torchvision==0.29.1 are pinned in pyproject.toml.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"

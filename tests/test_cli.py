@@ -1,0 +1,100 @@
+"""The command line, run for real in subprocesses, from a directory other than the checkout."""
+import csv
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+TINY = ["dataset=synthetic", "dataset.train_size=256", "dataset.test_size=64", "log_every=2"]
+
+
+def sn_train(args, cwd, env=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "sn_trainer", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def processes_marked(marker):
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SN_TEST_MARKER") == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_run_writes_summary_metrics_and_log(tmp_path):
+    out = tmp_path / "run"
+    proc = sn_train([*TINY, "workers=2", "batch_size=32", "max_steps=6", f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "test accuracy" in proc.stdout and "samples/s" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["per_worker_batch"] == 16 and summary["steps"] == 6
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["samples_per_sec"] > 0
+    assert summary["peak_memory_bytes"] > 0
+    assert set(summary["phase_seconds"]) == {"data", "forward", "backward", "reduce", "update", "wait"}
+    assert summary["machine"]["physical_cores"] >= 1 and summary["config"]["batch_size"] == 32
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows if r["loss"]] == [2, 4, 6]
+    assert rows[-1]["eval_accuracy"] != ""
+    assert (out / "__main__.log").exists() or any(out.glob("*.log"))
+
+
+def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
+    marker = uuid.uuid4().hex
+    sweep = tmp_path / "sweep"
+    proc = sn_train(["--multirun", *TINY, "batch_size=16,32", "workers=1,2", "max_steps=3",
+                     f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"SN_TEST_MARKER": marker})
+    assert proc.returncode == 0, proc.stderr
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted((s["batch_size"], s["workers"]) for s in summaries) == [(16, 1), (16, 2), (32, 1), (32, 2)]
+    assert processes_marked(marker) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*TINY, "batch_size=1", "workers=2"], "error: batch_size=1 is smaller than workers=2"),
+    ([*TINY, "model.name=lenet5"], "error: unknown model 'lenet5'; choose one of lenet, cifar10_quick, mlp"),
+    ([*TINY, "optim.lr=-1"], "error: optim.lr must be > 0, got -1"),
+    (["dataset=mnist", "dataset.root=/nonexistent"], "error: mnist not found. Provide it one of three ways"),
+    ([*TINY, "+batchsize=3"], "error: unknown setting batchsize; valid ones:"),
+])
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
+    proc = sn_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and error_lines[0].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_group_option_lists_the_available_ones(tmp_path):
+    proc = sn_train(["model=lenet5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Could not find 'model/lenet5'" in proc.stderr
+    assert "cifar10_quick" in proc.stderr and "lenet" in proc.stderr
+
+
+def test_installed_package_carries_its_configs(tmp_path):
+    """A wheel, installed away from the checkout, composes its config from inside the package."""
+    root = Path(__file__).resolve().parents[1]
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(wheel_dir), str(root)], capture_output=True, text=True, timeout=240)
+    assert build.returncode == 0, build.stderr
+    wheel = next(wheel_dir.glob("sn_trainer-*.whl"))
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                              str(wheel)], capture_output=True, text=True, timeout=240)
+    assert install.returncode == 0, install.stderr
+    env = {"PYTHONPATH": str(target)}
+    proc = sn_train(["--cfg", "job", "model=cifar10_quick", "optim=adamw"], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "name: cifar10_quick" in proc.stdout and "name: adamw" in proc.stdout
+    where = subprocess.run([sys.executable, "-c", "import sn_trainer; print(sn_trainer.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, env={**os.environ, **env})
+    assert where.stdout.startswith(str(target))

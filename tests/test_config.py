@@ -1,0 +1,49 @@
+"""Every config error names the setting and says what would be right."""
+import pytest
+
+from sn_trainer.config import ConfigError, RunConfig
+from sn_trainer.optim import LRSchedule, build_optimizer, effective_lr
+from sn_trainer.config import OptimConfig
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"batchsize": 3}, "unknown setting batchsize; valid ones: accumulate, batch_size"),
+    ({"model": {"nme": "x"}}, "unknown setting model.nme; valid ones: model.hidden, model.name"),
+    ({"optim": {"name": "lion"}}, "unknown optimizer 'lion'; choose one of sgd, adamw"),
+    ({"optim": {"lr": 0}}, "optim.lr must be > 0, got 0"),
+    ({"optim": {"lr": -0.1}}, "optim.lr must be > 0"),
+    ({"optim": {"schedule": "linear"}}, "unknown schedule 'linear'; choose one of constant, cosine, step"),
+    ({"optim": {"nesterov": True, "momentum": 0}}, "optim.nesterov=true needs optim.momentum > 0"),
+    ({"optim": {"gamma": 2}}, r"optim.gamma must be in \(0, 1\]"),
+    ({"epochs": 0}, "epochs must be >= 1, got 0"),
+    ({"epochs": -1}, "epochs must be >= 1"),
+    ({"max_steps": 0}, "max_steps must be >= 1 or null"),
+    ({"workers": 0}, "workers must be >= 1"),
+    ({"threads": 0}, "threads must be >= 1"),
+    ({"batch_size": 0}, "batch_size must be >= 1"),
+    ({"batch_size": 2, "workers": 4}, "batch_size=2 is smaller than workers=4"),
+    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"clip_grad_norm": 0}, "clip_grad_norm must be > 0 or null"),
+    ({"model": {"name": "lenet", "hidden": [10]}}, "model.hidden applies to model=mlp only"),
+    ({"dataset": {"test_fraction": 1.5}}, r"dataset.test_fraction must be in \(0, 1\)"),
+])
+def test_config_errors(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_dict(raw)
+
+
+def test_defaults_build():
+    cfg = RunConfig.from_dict({"model": {"name": "lenet"}, "dataset": {"name": "fashion_mnist"}})
+    assert cfg.trainer.workers == "auto" and cfg.optim.name == "sgd"
+
+
+def test_linear_lr_scaling_and_schedules():
+    cfg = OptimConfig(lr=0.1, scale_lr=True, reference_batch=256)
+    assert effective_lr(cfg, 512) == pytest.approx(0.2)
+    assert build_optimizer(cfg, 128).keywords["lr"] == pytest.approx(0.05)
+    warm_cosine = LRSchedule("cosine", total_steps=110, warmup_steps=10)
+    assert [warm_cosine(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert warm_cosine(10) == pytest.approx(1.0) and warm_cosine(60) == pytest.approx(0.5)
+    assert warm_cosine(110) == pytest.approx(0.0)
+    step = LRSchedule("step", total_steps=100, step_every=30, gamma=0.5)
+    assert [step(s) for s in (0, 29, 30, 60)] == pytest.approx([1, 1, 0.5, 0.25])
