@@ -20,7 +20,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    return summary["test_accuracy"]
+    return summary.get("test_accuracy")
 
 
 def main() -> None:

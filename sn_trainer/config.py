@@ -45,6 +45,12 @@ class TrainerConfig:
     """Report loss and samples/s every this many optimizer steps."""
     eval_batch_size: int = 512
     """Samples per forward pass in evaluation, per worker."""
+    measure_after: int = 0
+    """Warm-up steps left out of samples/s, phase seconds and CPU utilisation."""
+    profile_dir: str | None = None
+    """When set, each worker writes a torch.profiler Chrome trace of profile_steps steps here."""
+    profile_steps: int = 3
+    """Steps traced by the profiler, from the end of the warm-up."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, str):
@@ -71,6 +77,10 @@ class TrainerConfig:
         _require(_is_int(self.log_every) and self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}")
         _require(_is_int(self.eval_batch_size) and self.eval_batch_size >= 1,
                  f"eval_batch_size must be >= 1, got {self.eval_batch_size!r}")
+        _require(_is_int(self.measure_after) and self.measure_after >= 0,
+                 f"measure_after must be >= 0, got {self.measure_after!r}")
+        _require(_is_int(self.profile_steps) and self.profile_steps >= 1,
+                 f"profile_steps must be >= 1, got {self.profile_steps!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -164,6 +174,20 @@ class OptimConfig:
 
 
 @dataclass
+class BenchConfig:
+    enabled: bool = False
+    """Benchmark mode: no evaluation; time bench.steps optimizer steps after bench.warmup."""
+    steps: int = 30
+    warmup: int = 5
+    skip_oversubscribed: bool = False
+    """Skip (quickly, writing why) a job whose workers x threads exceed the physical cores."""
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.steps) and self.steps >= 1, f"bench.steps must be >= 1, got {self.steps!r}")
+        _require(_is_int(self.warmup) and self.warmup >= 0, f"bench.warmup must be >= 0, got {self.warmup!r}")
+
+
+@dataclass
 class RunConfig:
     """One command-line run: the trainer's settings at the top level, plus what to train."""
 
@@ -171,15 +195,20 @@ class RunConfig:
     model: ModelConfig
     dataset: DatasetConfig
     optim: OptimConfig
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    profile: bool = False
+    """Write a torch.profiler trace of a few steps per worker into the output directory."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
         """Build from a plain dict (Hydra's resolved config); unknown keys are errors."""
         raw = dict(raw)
-        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig}
+        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig}
         parts = {key: _build(kind, raw.pop(key, None) or {}, key) for key, kind in sections.items()}
         raw.pop("hydra", None)
-        return cls(trainer=_build(TrainerConfig, raw, None), **parts)
+        profile = raw.pop("profile", False)
+        _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
+        return cls(trainer=_build(TrainerConfig, raw, None), profile=profile, **parts)
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str | None):

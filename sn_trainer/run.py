@@ -11,6 +11,7 @@ import torch
 
 from .config import ConfigError, RunConfig
 from .data.datasets import load_datasets
+from .engine.topology import read_topology
 from .models import build_model
 from .optim import build_optimizer, build_scheduler, effective_lr
 from .report.machine import describe_machine
@@ -29,48 +30,71 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         ConfigError: anything wrong with the settings or the data, before training starts.
     """
     out = _writable_dir(out_dir)
+    machine = describe_machine()
+    trainer_settings = dict(vars(cfg.trainer))
+    if cfg.bench.enabled:
+        reason = _oversubscribed(cfg, read_topology().physical_cores)
+        if reason and cfg.bench.skip_oversubscribed:
+            print(f"skipped: {reason}", flush=True)
+            summary = {"config": resolved, "machine": machine, "skipped": reason}
+            _write_json_atomically(out / "summary.json", summary)
+            return summary
+        trainer_settings.update(max_steps=cfg.bench.warmup + cfg.bench.steps, measure_after=cfg.bench.warmup)
+    if cfg.profile:
+        trainer_settings["profile_dir"] = str(out)
     data = load_datasets(cfg.dataset)
     log.info("data: %s (%d train, %d test, shape %s)", data.source, len(data.train), len(data.test),
              list(data.sample_shape))
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model.name, data.sample_shape, data.num_classes,
                          **({"hidden": tuple(cfg.model.hidden)} if cfg.model.hidden else {}))
-    trainer = Trainer(**vars(cfg.trainer))
+    trainer = Trainer(**trainer_settings)
     step_batch = cfg.trainer.batch_size * cfg.trainer.accumulate
     steps_per_epoch = len(data.train) // step_batch
-    total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * max(1, steps_per_epoch)
+    total_steps = trainer.config.max_steps or cfg.trainer.epochs * max(1, steps_per_epoch)
     log.info("training %s: %d workers x %d threads, batch %d (%.1f per worker), %d steps, lr %.4g",
              cfg.model.name, trainer.workers, cfg.trainer.threads, cfg.trainer.batch_size,
              cfg.trainer.batch_size / trainer.workers, total_steps, effective_lr(cfg.optim, step_batch))
     progress = ProgressLog(out, total_steps)
     try:
-        result = trainer.fit(model, data.train, eval_set=data.test,
+        result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
                              scheduler=build_scheduler(cfg.optim, total_steps), on_log=progress)
     finally:
         progress.close()
     summary = {
         "config": resolved,
-        "machine": describe_machine(),
+        "machine": machine,
         "data_source": data.source,
+        "model": cfg.model.name,
         "samples_per_sec": result.samples_per_sec,
         "per_worker_batch": result.per_worker_batch,
         "workers": result.workers,
         "threads": result.threads,
         "batch_size": result.batch_size,
         "steps": result.steps,
+        "measured_steps": result.steps - trainer.config.measure_after,
         "train_seconds": result.train_seconds,
         "phase_seconds": result.phase_seconds,
+        "cpu_percent_per_core": result.cpu_percent_per_core,
         "final_loss": result.final_loss,
         "test_loss": result.eval_loss,
         "test_accuracy": result.eval_accuracy,
         "peak_memory_bytes": result.peak_memory_bytes,
     }
     _write_json_atomically(out / "summary.json", summary)
-    print(f"test accuracy {result.eval_accuracy:.4f}, {result.samples_per_sec:.0f} samples/s "
-          f"({result.workers} workers x {result.threads} threads, batch {result.batch_size}); results in {out}",
-          flush=True)
+    accuracy = f"test accuracy {result.eval_accuracy:.4f}, " if result.eval_accuracy is not None else ""
+    print(f"{accuracy}{result.samples_per_sec:.0f} samples/s ({result.workers} workers x {result.threads} "
+          f"threads, batch {result.batch_size}); results in {out}", flush=True)
     return summary
+
+
+def _oversubscribed(cfg: RunConfig, physical_cores: int) -> str | None:
+    workers = cfg.trainer.workers
+    if workers == "auto" or workers * cfg.trainer.threads <= physical_cores:
+        return None
+    return (f"workers x threads = {workers} x {cfg.trainer.threads} exceeds the {physical_cores} "
+            "physical cores this process may use")
 
 
 def _writable_dir(path: str | os.PathLike) -> Path:

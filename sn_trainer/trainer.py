@@ -40,6 +40,7 @@ class FitResult:
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    cpu_percent_per_core: list[float] = field(default_factory=list)  # system-wide, over the measured steps
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,6 +118,9 @@ class Trainer:
             raise ConfigError(f"train_set has {len(train_set)} samples, fewer than one step's batch of "
                               f"batch_size x accumulate = {cfg.batch_size * cfg.accumulate}")
         total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+        if cfg.measure_after >= total_steps:
+            raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
+                              "lower it or train longer")
         plan = self._plan(total_steps, steps_per_epoch, evaluate_each_epoch=eval_set is not None)
         history: list[dict[str, Any]] = []
 
@@ -127,7 +131,7 @@ class Trainer:
 
         results, peak = self._run(model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay)
         lead = results[0]
-        samples = total_steps * cfg.batch_size * cfg.accumulate
+        samples = lead["measured_steps"] * cfg.batch_size * cfg.accumulate
         return FitResult(
             samples_per_sec=samples / lead["train_seconds"],
             per_worker_batch=cfg.batch_size / self.workers,
@@ -142,6 +146,7 @@ class Trainer:
             eval_loss=lead.get("eval_loss"),
             eval_accuracy=lead.get("eval_accuracy"),
             history=history,
+            cpu_percent_per_core=lead["cpu_percent_per_core"],
         )
 
     def evaluate(self, model: nn.Module, dataset: Dataset,
@@ -157,7 +162,9 @@ class Trainer:
         cfg = self.config
         return StepPlan(batch_size=cfg.batch_size, accumulate=cfg.accumulate, total_steps=total_steps,
                         steps_per_epoch=steps_per_epoch, seed=cfg.seed, clip_grad_norm=cfg.clip_grad_norm,
-                        reduce=cfg.reduce, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size, **flags)
+                        reduce=cfg.reduce, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
+                        measure_after=cfg.measure_after, profile_dir=cfg.profile_dir, profile_steps=cfg.profile_steps,
+                        **flags)
 
     def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay, target=run_worker):
         for obj, what in ((model, "the model"), (loss_fn, "loss_fn"), (optimizer, "the optimizer factory"),

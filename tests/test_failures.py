@@ -37,14 +37,18 @@ def test_a_sigkilled_worker_stops_fit_naming_the_signal(tmp_path, no_leaks):
 
 
 def test_two_runs_at_once_both_succeed(no_leaks):
-    def run(_):
+    models = []
+    for _ in range(2):  # built here, not in the threads: torch's global RNG is shared between them
         torch.manual_seed(0)
-        model = SmallConvNet()
+        models.append(SmallConvNet())
+
+    def run(model):
         Trainer(workers=2, batch_size=8, max_steps=10, seed=5).fit(model, tiny_dataset(), optimizer=SGD)
         return model
 
     with ThreadPoolExecutor(2) as pool:
-        first, second = pool.map(run, range(2))
+        first, second = pool.map(run, models)
+    assert not torch.equal(first.fc.weight, SmallConvNet().fc.weight)
     for p, q in zip(first.parameters(), second.parameters()):
         assert torch.equal(p, q)
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -37,6 +38,9 @@ class StepPlan:
     eval_batch_size: int
     evaluate_each_epoch: bool = False  # and after the last step
     evaluate_only: bool = False
+    measure_after: int = 0  # warm-up steps left out of samples/s and phase seconds
+    profile_dir: str | None = None  # write a torch.profiler trace per worker here
+    profile_steps: int = 3
 
 
 @dataclass
@@ -183,37 +187,72 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
         replica.close()
 
 
+def train_step(replica: Replica, timer: PhaseTimer, step: int) -> float:
+    """One optimizer step, in every worker at once; returns the global batch's mean loss."""
+    plan, job, model = replica.plan, replica.job, replica.model
+    epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+    weighted_loss = 0.0
+    for micro in range(plan.accumulate):
+        with timer("data"):
+            inputs, targets = replica.micro_batch(epoch, step_in_epoch, micro)
+        with timer("forward"):
+            micro_loss = job.loss_fn(model(inputs), targets) * replica.loss_weight
+        with timer("backward"):
+            micro_loss.backward()
+        weighted_loss += micro_loss.item()
+    job.losses[step % 2, replica.rank] = weighted_loss
+    with timer("reduce"):
+        shard_grad = replica.reducer.reduce(replica.grad_flat)
+    with timer("update"):
+        replica.update(shard_grad)
+    with timer("wait"):
+        replica.reducer.barrier()  # nobody reads parameters that are still being written
+    # Safe to read right after the barrier: a peer writes this parity again only after the next.
+    return job.losses[step % 2].sum().item()
+
+
+class Profiler:
+    """A torch.profiler trace of ``steps`` steps from ``first``, written as a Chrome trace."""
+
+    def __init__(self, out_dir: str | None, first: int, steps: int, rank: int):
+        self.out_dir, self.first, self.last, self.rank = out_dir, first, first + steps, rank
+        self._profile = None
+
+    def before(self, step: int) -> None:
+        if self.out_dir and step == self.first:
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profile.__enter__()
+
+    def after(self, step: int) -> None:
+        if self._profile is not None and step + 1 == self.last:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            self._profile.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
+            self._profile = None
+
+
 def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     """The training loop. Every worker runs it in lockstep; rank 0 also reports progress."""
-    plan, job, model = replica.plan, replica.job, replica.model
-    timer = PhaseTimer()
+    plan, job = replica.plan, replica.job
     reporting = replica.rank == 0
     step_samples = plan.batch_size * plan.accumulate
-    eval_seconds, eval_metrics, loss = 0.0, {}, float("nan")
+    timer = PhaseTimer()
+    profiler = Profiler(plan.profile_dir, plan.measure_after, plan.profile_steps, replica.rank)
+    eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
     started = last_log_time = time.perf_counter()
     last_log_step = 0
-    model.train()
+    replica.model.train()
     for step in range(plan.total_steps):
-        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        weighted_loss = 0.0
-        for micro in range(plan.accumulate):
-            with timer("data"):
-                inputs, targets = replica.micro_batch(epoch, step_in_epoch, micro)
-            with timer("forward"):
-                micro_loss = job.loss_fn(model(inputs), targets) * replica.loss_weight
-            with timer("backward"):
-                micro_loss.backward()
-            weighted_loss += micro_loss.item()
-        job.losses[step % 2, replica.rank] = weighted_loss
-        with timer("reduce"):
-            shard_grad = replica.reducer.reduce(replica.grad_flat)
-        with timer("update"):
-            replica.update(shard_grad)
-        with timer("wait"):
-            replica.reducer.barrier()  # nobody reads parameters that are still being written
-        # Safe to read right after the barrier: a peer writes this parity again only after
-        # the next one.
-        loss = job.losses[step % 2].sum().item()
+        if step == plan.measure_after:  # warm-up over (if any): measure from here
+            timer, eval_seconds = PhaseTimer(), 0.0
+            started = time.perf_counter()
+            psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
+        profiler.before(step)
+        loss = train_step(replica, timer, step)
+        profiler.after(step)
 
         done = step + 1
         end_of_epoch = done % plan.steps_per_epoch == 0
@@ -230,5 +269,9 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             if reporting:
                 send({"step": done, "epoch": done / plan.steps_per_epoch, **eval_metrics})
     train_seconds = time.perf_counter() - started - eval_seconds
-    return {"phase_seconds": timer.seconds, "steps": plan.total_steps, "train_seconds": train_seconds,
-            "eval_seconds": eval_seconds, "final_loss": loss, **eval_metrics}
+    if plan.total_steps > plan.measure_after:
+        cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
+    profiler.stop()
+    return {"phase_seconds": timer.seconds, "measured_steps": plan.total_steps - plan.measure_after,
+            "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
+            "cpu_percent_per_core": cpu_percent, **eval_metrics}
