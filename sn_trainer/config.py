@@ -8,6 +8,8 @@ from typing import Any
 # all_reduce measured faster than gloo's reduce_scatter on the development machine (LeNet's
 # 1.7 MB gradient, 2 workers: ~3.6 ms vs ~8.5 ms), so it is the default; both stay selectable.
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
+COMMS = ("auto", "shm", "gloo")
+PRECISIONS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -39,8 +41,14 @@ class TrainerConfig:
     """Micro-batches per optimizer step: the step's batch is batch_size x accumulate."""
     clip_grad_norm: float | None = None
     """Clip the averaged gradient to this global L2 norm (over all shards)."""
+    comm: str = "auto"
+    """How gradients are summed: shm (shared memory), gloo, or auto (measures both, keeps the faster)."""
     reduce: str = "all_reduce"
-    """Gradient collective: all_reduce or reduce_scatter."""
+    """gloo's collective: all_reduce or reduce_scatter."""
+    precision: str = "fp32"
+    """fp32, or bf16: autocast to bfloat16 for compute, parameters and gradients stay fp32."""
+    channels_last: bool = False
+    """Lay out 4-d weights and inputs channels-last (oneDNN's preferred format for convolutions)."""
     log_every: int = 50
     """Report loss and samples/s every this many optimizer steps."""
     eval_batch_size: int = 512
@@ -73,6 +81,10 @@ class TrainerConfig:
                  f"accumulate must be >= 1, got {self.accumulate!r}")
         _require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
                  f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}")
+        _require(self.comm in COMMS, f"comm must be one of {', '.join(COMMS)}, got {self.comm!r}")
+        _require(self.precision in PRECISIONS,
+                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        _require(isinstance(self.channels_last, bool), f"channels_last must be true or false, got {self.channels_last!r}")
         _require(self.reduce in REDUCE_MODES, f"reduce must be one of {', '.join(REDUCE_MODES)}, got {self.reduce!r}")
         _require(_is_int(self.log_every) and self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}")
         _require(_is_int(self.eval_batch_size) and self.eval_batch_size >= 1,

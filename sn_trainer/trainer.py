@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import pickle
 import shutil
 import tempfile
@@ -16,11 +17,15 @@ from torch.utils.data import Dataset
 
 from .config import ConfigError, TrainerConfig
 from .data.batching import check_sample, share_dataset
+from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import launch
 from .engine.shared import SharedParams
 from .engine.topology import auto_workers, plan_pinning, read_topology
 from .engine.worker import PHASES, Job, StepPlan, WorkerSpec, run_worker
+from .report.machine import bf16_supported
 from .report.memory import PeakMemory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,6 +89,17 @@ class Trainer:
         if self.config.batch_size < self.workers:
             raise ConfigError(f"batch_size={self.config.batch_size} is smaller than workers={self.workers}: "
                               "every worker needs at least one sample; raise batch_size or lower workers")
+        self.precision = self.config.precision
+        if self.precision == "bf16" and not bf16_supported():
+            log.warning("precision=bf16 asked for, but this CPU has no native bfloat16 (avx512_bf16 or AMX); "
+                        "training in fp32 instead, which is faster here than emulated bf16")
+            self.precision = "fp32"
+        self.comm = self.config.comm
+        if self.comm == "shm" and not SHM_SAFE:
+            log.warning("comm=shm relies on x86-64's store ordering; using gloo on this CPU instead")
+            self.comm = "gloo"
+        elif self.comm == "auto" and not SHM_SAFE:
+            self.comm = "gloo"
 
     def fit(
         self,
@@ -162,7 +178,8 @@ class Trainer:
         cfg = self.config
         return StepPlan(batch_size=cfg.batch_size, accumulate=cfg.accumulate, total_steps=total_steps,
                         steps_per_epoch=steps_per_epoch, seed=cfg.seed, clip_grad_norm=cfg.clip_grad_norm,
-                        reduce=cfg.reduce, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
+                        comm=self.comm, reduce=cfg.reduce, precision=self.precision,
+                        channels_last=cfg.channels_last, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
                         measure_after=cfg.measure_after, profile_dir=cfg.profile_dir, profile_steps=cfg.profile_steps,
                         **flags)
 
@@ -172,14 +189,16 @@ class Trainer:
             _check_sendable(obj, what)
         pinning = plan_pinning(self.topology, self.workers, self.config.threads)
         rendezvous_dir = tempfile.mkdtemp(prefix="sn_trainer-")  # mode 0700, removed below
-        shared = SharedParams(model, self.workers)
+        shared = SharedParams(model, self.workers, channels_last=plan.channels_last)
         try:
             for dataset in (train_set, eval_set):
                 if dataset is not None:
                     share_dataset(dataset)
             job = Job(model=model, flat=shared.flat, numel=shared.numel, train_set=train_set, eval_set=eval_set,
                       optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, plan=plan,
-                      losses=torch.zeros(2, self.workers, dtype=torch.float64).share_memory_())
+                      losses=torch.zeros(2, self.workers, dtype=torch.float64).share_memory_(),
+                      shm=(ShmBuffers.allocate(self.workers, shared.flat.numel(), shared.flat.dtype)
+                           if plan.comm in ("shm", "auto") and self.workers > 1 else None))
             specs = [WorkerSpec(rank=r, world_size=self.workers, cpus=pinning[r], threads=self.config.threads,
                                 store_path=f"{rendezvous_dir}/store", job=job) for r in range(self.workers)]
             peak = PeakMemory()

@@ -112,7 +112,7 @@ def probe_replica(spec, send):
     report["seen"] = params[0].view(-1)[0].item()  # rank 0 sees rank 1's write
     replica.reducer.barrier()
     replica.grad_flat.fill_(1.0)
-    replica.update(replica.reducer.reduce(replica.grad_flat))
+    replica.update(replica.reducer.reduce())
     replica.reducer.barrier()
     state = replica.optimizer.state[replica.shard_param]
     report["state_numel"] = sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)

@@ -24,7 +24,8 @@ def fit_both(workers, batch_size, optimizer, steps=5, trainer_batch=None, accumu
                               clip=kwargs.get("clip_grad_norm"))
     trainer = Trainer(workers=workers, threads=1, batch_size=trainer_batch or batch_size, max_steps=steps,
                       seed=3, accumulate=accumulate, clip_grad_norm=kwargs.get("clip_grad_norm"),
-                      reduce=kwargs.get("reduce", "all_reduce"))
+                      comm=kwargs.get("comm", "auto"), reduce=kwargs.get("reduce", "all_reduce"),
+                      channels_last=kwargs.get("channels_last", False), precision=kwargs.get("precision", "fp32"))
     result = trainer.fit(model, tiny_dataset(), optimizer=optimizer, scheduler=kwargs.get("scheduler"))
     return model, reference, result
 
@@ -49,17 +50,36 @@ def test_accumulate_two_half_batches_equals_one_batch():
     assert_same_parameters(model, reference)
 
 
-def test_reduce_scatter_matches_too():
-    model, reference, _ = fit_both(3, 7, OPTIMIZERS["adamw"], reduce="reduce_scatter")
+@pytest.mark.parametrize("comm, reduce", [("shm", "all_reduce"), ("gloo", "all_reduce"), ("gloo", "reduce_scatter")])
+def test_every_reducer_matches(comm, reduce):
+    model, reference, _ = fit_both(3, 7, OPTIMIZERS["adamw"], comm=comm, reduce=reduce)
     assert_same_parameters(model, reference)
 
 
-def test_clip_by_global_norm_across_shards_and_scheduler():
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_clip_by_global_norm_across_shards_and_scheduler(comm):
     scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
-    model, reference, _ = fit_both(2, 12, OPTIMIZERS["sgd"], clip_grad_norm=0.05, scheduler=scheduler)
+    model, reference, _ = fit_both(2, 12, OPTIMIZERS["sgd"], clip_grad_norm=0.05, scheduler=scheduler, comm=comm)
     assert_same_parameters(model, reference)
-    unclipped, _, _ = fit_both(2, 12, OPTIMIZERS["sgd"], scheduler=scheduler)
+    unclipped, _, _ = fit_both(2, 12, OPTIMIZERS["sgd"], scheduler=scheduler, comm=comm)
     assert not torch.allclose(unclipped.fc.weight, model.fc.weight)  # the clip did bite
+
+
+def test_channels_last_matches_and_hands_back_a_contiguous_model():
+    model, reference, _ = fit_both(2, 7, OPTIMIZERS["sgd"], channels_last=True)
+    assert_same_parameters(model, reference)
+    assert model.conv.weight.is_contiguous()
+
+
+def test_bf16_trains_close_to_fp32():
+    from sn_trainer.report.machine import bf16_supported
+
+    model, reference, result = fit_both(2, 12, OPTIMIZERS["sgd"], precision="bf16", channels_last=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0.05, atol=0.02)  # bf16 keeps ~3 significant digits
+    if bf16_supported():
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.parametrize("optimizer", [

@@ -37,6 +37,35 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def param_view(flat: torch.Tensor, offset: int, shape: torch.Size, channels_last: bool) -> torch.Tensor:
+    """The slice of ``flat`` holding one parameter, shaped like it.
+
+    With ``channels_last``, 4-d weights are laid out N, H, W, C in memory (and viewed as
+    N, C, H, W), so convolutions run in oneDNN's preferred format while staying views of flat.
+    """
+    n = shape.numel()
+    if channels_last and len(shape) == 4:
+        o, c, h, w = shape
+        return flat[offset : offset + n].view(o, h, w, c).permute(0, 3, 1, 2)
+    return flat[offset : offset + n].view(shape)
+
+
+def bind_parameters(model: nn.Module, flat: torch.Tensor, channels_last: bool, copy_values: bool = False) -> None:
+    """Make every trainable parameter a view of ``flat``, in model order.
+
+    In the launcher, ``copy_values`` first copies each parameter's values into its slice. In a
+    worker, the unpickled model normally arrives bound already; binding again makes the
+    layout a checked fact instead of a property of how tensors happen to be pickled.
+    """
+    offset = 0
+    for p in trainable_parameters(model):
+        view = param_view(flat, offset, p.shape, channels_last)
+        if copy_values:
+            view.copy_(p.detach())
+        p.data = view
+        offset += p.numel()
+
+
 class SharedParams:
     """All trainable parameters of a model as views of ONE flat shared-memory tensor.
 
@@ -45,7 +74,7 @@ class SharedParams:
     Buffers (e.g. batch-norm statistics) are moved to shared memory in place.
     """
 
-    def __init__(self, model: nn.Module, world_size: int):
+    def __init__(self, model: nn.Module, world_size: int, channels_last: bool = False):
         params = trainable_parameters(model)
         if not params:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
@@ -61,12 +90,7 @@ class SharedParams:
         self.shards = shard_bounds(self.numel, world_size)
         padded_total = self.shards[0].padded_size * world_size
         self.flat = torch.zeros(padded_total, dtype=params[0].dtype).share_memory_()
-        offset = 0
-        for p in params:
-            n = p.numel()
-            self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[offset : offset + n].view_as(p)
-            offset += n
+        bind_parameters(model, self.flat, channels_last, copy_values=True)
         for buf in model.buffers():
             buf.share_memory_()
 
@@ -75,24 +99,11 @@ class SharedParams:
         """Give the caller's model private copies again, so no shared memory outlives the run."""
         for p in model.parameters():
             if p.is_shared():
-                p.data = p.data.clone()
+                p.data = p.data.clone(memory_format=torch.contiguous_format)
         for module in model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None and buf.is_shared():
                     module._buffers[name] = buf.clone()
-
-
-def bind_replica(model: nn.Module, flat: torch.Tensor) -> None:
-    """In a worker: make sure every trainable parameter is a view of ``flat``, in model order.
-
-    The unpickled model normally arrives that way already; binding again makes the layout a
-    checked fact instead of a property of how tensors happen to be pickled.
-    """
-    offset = 0
-    for p in trainable_parameters(model):
-        n = p.numel()
-        p.data = flat[offset : offset + n].view_as(p)
-        offset += n
 
 
 def private_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -116,17 +127,16 @@ def refresh_buffers(links: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
         module._buffers[name].copy_(shared)
 
 
-def attach_gradients(model: nn.Module, grad_flat: torch.Tensor) -> None:
-    """Point every parameter's ``.grad`` at its slice of one flat buffer.
+def attach_gradients(model: nn.Module, grad_flat: torch.Tensor, channels_last: bool) -> None:
+    """Point every parameter's ``.grad`` at its slice of one flat buffer, laid out like it.
 
     Autograd then accumulates straight into ``grad_flat``, which is what gets reduced, so the
     step needs no gather of gradients and no allocation.
     """
     offset = 0
     for p in trainable_parameters(model):
-        n = p.numel()
-        p.grad = grad_flat[offset : offset + n].view_as(p)
-        offset += n
+        p.grad = param_view(grad_flat, offset, p.shape, channels_last)
+        offset += p.numel()
 
 
 def shard_parameter(flat: torch.Tensor, shard: Shard) -> nn.Parameter | None:

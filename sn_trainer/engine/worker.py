@@ -16,8 +16,8 @@ from torch.utils.data import Dataset
 
 from ..data.batching import fetch_batch
 from ..data.sampler import GlobalBatches, slice_bounds
-from .comm import make_reducer
-from .shared import (attach_gradients, bind_replica, private_buffers, refresh_buffers, shard_bounds,
+from .comm import ShmBuffers, make_reducer
+from .shared import (attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
                      shard_parameter)
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
@@ -33,7 +33,10 @@ class StepPlan:
     steps_per_epoch: int
     seed: int
     clip_grad_norm: float | None
-    reduce: str
+    comm: str  # auto, shm or gloo
+    reduce: str  # gloo's collective: all_reduce or reduce_scatter
+    precision: str  # fp32 or bf16 (autocast; parameters and gradients stay fp32)
+    channels_last: bool
     log_every: int
     eval_batch_size: int
     evaluate_each_epoch: bool = False  # and after the last step
@@ -57,6 +60,7 @@ class Job:
     loss_fn: Callable[..., torch.Tensor]
     plan: StepPlan
     losses: torch.Tensor  # [2, world]: each worker's weighted loss, double-buffered by step parity
+    shm: ShmBuffers | None = None  # for comm=shm or auto
 
 
 @dataclass
@@ -99,11 +103,13 @@ class Replica:
         self.rank, self.world_size = spec.rank, spec.world_size
         self.job, self.plan = job, plan
         self.model = job.model
-        bind_replica(self.model, job.flat)
+        bind_parameters(self.model, job.flat, plan.channels_last)
         self.buffer_links = private_buffers(self.model) if self.rank != 0 else []
-        self.grad_flat = torch.zeros_like(job.flat)
-        attach_gradients(self.model, self.grad_flat)
         self.shard = shard_bounds(job.numel, spec.world_size)[spec.rank]
+        self.reducer = make_reducer(plan.comm, spec.rank, spec.world_size, self.shard, job.flat.numel(),
+                                    job.flat.dtype, spec.store_path, job.shm, plan.reduce)
+        self.grad_flat = self.reducer.grad_flat
+        attach_gradients(self.model, self.grad_flat, plan.channels_last)
         self.shard_param = shard_parameter(job.flat, self.shard)
         self.optimizer = None
         self.scheduler = None
@@ -111,7 +117,6 @@ class Replica:
             self.optimizer = job.optimizer([self.shard_param])
             if job.scheduler is not None:
                 self.scheduler = job.scheduler(self.optimizer)
-        self.reducer = make_reducer(spec.store_path, spec.rank, spec.world_size, self.shard, plan.reduce)
         self.batches = None
         if job.train_set is not None:
             self.batches = GlobalBatches(len(job.train_set), plan.batch_size, plan.accumulate, plan.seed)
@@ -122,7 +127,16 @@ class Replica:
 
     def micro_batch(self, epoch: int, step_in_epoch: int, micro: int):
         indices = self.batches.indices(epoch, step_in_epoch, micro)[self.slice[0] : self.slice[1]]
-        return fetch_batch(self.job.train_set, indices)
+        return self.prepare(*fetch_batch(self.job.train_set, indices))
+
+    def prepare(self, inputs, targets):
+        if self.plan.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return inputs, targets
+
+    def forward(self, inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.plan.precision == "bf16"):
+            return self.model(inputs)
 
     def update(self, shard_grad: torch.Tensor) -> None:
         """Clip by the global norm, step this shard's optimizer, clear the gradient buffer."""
@@ -138,7 +152,6 @@ class Replica:
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.grad_flat.zero_()
 
     def current_lr(self) -> float | None:
         if self.optimizer is None:
@@ -155,8 +168,8 @@ class Replica:
         totals = torch.zeros(4, dtype=torch.float64)  # loss sum, correct, samples, classified
         for lo in range(start, stop, self.plan.eval_batch_size):
             indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
-            inputs, targets = fetch_batch(dataset, indices)
-            outputs = self.model(inputs)
+            inputs, targets = self.prepare(*fetch_batch(dataset, indices))
+            outputs = self.forward(inputs).float()
             loss = float(self.job.loss_fn(outputs, targets))
             totals[0] += loss * len(indices) if per_item else loss
             totals[2] += len(indices)
@@ -189,20 +202,23 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
 
 def train_step(replica: Replica, timer: PhaseTimer, step: int) -> float:
     """One optimizer step, in every worker at once; returns the global batch's mean loss."""
-    plan, job, model = replica.plan, replica.job, replica.model
+    plan, job = replica.plan, replica.job
     epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
     weighted_loss = 0.0
+    # Cleared here, not after the update: with comm=shm, peers read this buffer until the
+    # previous step's closing barrier.
+    replica.grad_flat.zero_()
     for micro in range(plan.accumulate):
         with timer("data"):
             inputs, targets = replica.micro_batch(epoch, step_in_epoch, micro)
         with timer("forward"):
-            micro_loss = job.loss_fn(model(inputs), targets) * replica.loss_weight
+            micro_loss = job.loss_fn(replica.forward(inputs).float(), targets) * replica.loss_weight
         with timer("backward"):
             micro_loss.backward()
         weighted_loss += micro_loss.item()
     job.losses[step % 2, replica.rank] = weighted_loss
     with timer("reduce"):
-        shard_grad = replica.reducer.reduce(replica.grad_flat)
+        shard_grad = replica.reducer.reduce()
     with timer("update"):
         replica.update(shard_grad)
     with timer("wait"):

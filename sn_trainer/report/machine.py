@@ -27,6 +27,12 @@ def cpu_flags() -> set[str]:
     return set(match.group(1).split()) if match else set()
 
 
+def bf16_supported() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), where oneDNN uses it."""
+    flags = cpu_flags()
+    return torch.backends.mkldnn.is_available() and bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def describe_machine() -> dict:
     """CPU model, cores, memory and software versions (no host name, no user, no paths)."""
     flags = cpu_flags()
