@@ -1,0 +1,322 @@
+"""Side by side, in one process tree: plain PyTorch, DDP on gloo, sn_trainer, and the "ideal" ceiling.
+
+(a) plain: one process, every physical core as an intra-op thread;
+(b) ddp:   DistributedDataParallel on gloo, W processes pinned to a core each, 1 thread each;
+(c) sn:    sn_trainer with W workers (comm=auto), 1 thread each;
+(d) ideal: W independent pinned processes, each training its own replica on B/W samples with
+           no communication at all: the ceiling of data parallelism on this machine.
+Rounds alternate over every variant and case, so that drift on a shared machine hits all alike;
+ratios are of medians. Also: sn_trainer with 1 worker (scaling), achieved GFLOP/s against the
+matmul peak measured in the same run, and the summed PSS of resnet18 workers, sn vs DDP.
+
+    python scripts/bench.py                 # the full table (about 15 minutes on 2 cores)
+    python scripts/bench.py --quick         # one round, fewer steps: a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import TensorDataset
+
+from sn_trainer import Trainer
+from sn_trainer.data.sampler import slice_bounds
+from sn_trainer.engine.topology import plan_pinning, read_topology
+from sn_trainer.models import build_model
+from sn_trainer.report.machine import bf16_supported, describe_machine
+
+SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "resnet18": (3, 64, 64)}
+VARIANTS = ("plain", "ddp", "sn", "ideal")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    precision: str = "fp32"
+    channels_last: bool = False
+
+    @property
+    def label(self) -> str:
+        suffix = "" if self.precision == "fp32" else f" {self.precision}{'+cl' if self.channels_last else ''}"
+        return f"{self.model} b{self.batch}{suffix}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int
+    steps: int
+
+
+def make_model(case: Case) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(case.model, SHAPES[case.model], 10)
+
+
+def make_data(case: Case, n: int = 4096) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, *SHAPES[case.model], generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def sgd():
+    return functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+# --- the loop every baseline runs: plain PyTorch, nothing of sn_trainer's ----------------------
+
+def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, start_line=None) -> float:
+    """Train ``timing.warmup`` + ``timing.steps`` steps on ``batch`` samples each; seconds of the latter."""
+    inputs, targets = data.tensors
+    if case.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    net = ddp_model(model) if ddp_model else model
+    opt = sgd()(net.parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(1)
+    start = 0.0
+    for step in range(timing.warmup + timing.steps):
+        if step == timing.warmup:
+            if start_line is not None:
+                start_line.wait()
+            start = time.perf_counter()
+        idx = torch.randint(0, len(inputs), (batch,), generator=generator)
+        x = inputs[idx]
+        if case.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+            out = net(x)
+        loss_fn(out.float(), targets[idx]).backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def _pin(cpus, threads):
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+
+
+def plain_worker(_rank, case, timing, cpus, queue):
+    _pin(cpus, len(cpus))
+    seconds = timed_loop(make_model(case), make_data(case), case.batch, timing, case)
+    queue.put(case.batch * timing.steps / seconds)
+
+
+def ddp_worker(rank, case, timing, pinning, store, queue):
+    _pin(pinning[rank], 1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a benchmark on one machine: loopback only
+    world = len(pinning)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    lo, hi = slice_bounds(case.batch, world, rank)
+    wrap = functools.partial(torch.nn.parallel.DistributedDataParallel)
+    seconds = timed_loop(make_model(case), make_data(case), hi - lo, timing, case, ddp_model=wrap)
+    slowest = torch.tensor([seconds])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put(case.batch * timing.steps / slowest.item())
+    dist.destroy_process_group()
+
+
+def ideal_worker(rank, case, timing, pinning, start_line, queue):
+    _pin(pinning[rank], 1)
+    lo, hi = slice_bounds(case.batch, len(pinning), rank)
+    seconds = timed_loop(make_model(case), make_data(case), hi - lo, timing, case, start_line=start_line)
+    queue.put((hi - lo) * timing.steps / seconds)
+
+
+def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
+    _pin(pinning[rank], 1)
+    a, b = torch.randn(1024, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
+    for _ in range(3):
+        a @ b
+    start_line.wait()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    queue.put(2 * 1024**3 * reps / (time.perf_counter() - start) / 1e9)
+
+
+def spawn(fn, nprocs, *args) -> list:
+    """Run ``fn(rank, *args, queue)`` in ``nprocs`` spawned processes; return what they queued."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(fn, args=(*args, queue), nprocs=nprocs, start_method="spawn")
+    results = []
+    while not queue.empty():
+        results.append(queue.get())
+    return results
+
+
+# --- one measurement of each variant -------------------------------------------------------------
+
+def measure(variant: str, case: Case, workers: int, timing: Timing, topology) -> float:
+    pinning = plan_pinning(topology, workers, 1)
+    if variant == "plain":
+        cpus = tuple(c.cpus[0] for c in topology.cores)
+        return spawn(plain_worker, 1, case, timing, cpus)[0]
+    if variant == "ddp":
+        with tempfile.TemporaryDirectory() as tmp:
+            return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store")[0]
+    if variant == "ideal":
+        start_line = mp.get_context("spawn").Barrier(workers)
+        return sum(spawn(ideal_worker, workers, case, timing, pinning, start_line))
+    result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
+                     measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
+                     log_every=10**9).fit(make_model(case), make_data(case), optimizer=sgd())
+    return result.samples_per_sec
+
+
+def matmul_peak(dtype, workers, topology) -> float:
+    pinning = plan_pinning(topology, workers, 1)
+    start_line = mp.get_context("spawn").Barrier(workers)
+    return sum(spawn(matmul_peak_worker, workers, dtype, pinning, start_line))
+
+
+def flops_per_sample(case: Case) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, (inputs, targets) = make_model(case), make_data(case, n=case.batch).tensors
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    return counter.get_total_flops() / case.batch
+
+
+# --- memory: summed PSS of a run's processes, sampled from here ------------------------------------
+
+class PssSampler(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self._stop = 0, threading.Event()
+
+    def run(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for child in me.children(recursive=True):
+                try:
+                    if "resource_tracker" not in " ".join(child.cmdline()):
+                        total += child.memory_full_info().pss
+                except psutil.Error:
+                    continue
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.2)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self.join()
+        return self.peak
+
+
+def memory_comparison(workers, topology) -> dict:
+    case, timing = Case("resnet18", 32), Timing(warmup=3, steps=12)
+    out = {}
+    for variant in ("sn", "ddp"):
+        sampler = PssSampler()
+        sampler.start()
+        measure(variant, case, workers, timing, topology)
+        out[variant] = sampler.stop()
+    out["ratio_sn_over_ddp"] = out["sn"] / out["ddp"]
+    return out
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
+    parser.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
+    parser.add_argument("--out", default="results/bench")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 20, 3
+    topology = read_topology()
+    workers = args.workers or topology.physical_cores
+    timing = Timing(args.warmup, args.steps)
+    cases = [Case("lenet", 64), Case("lenet", 128), Case("lenet", 256), Case("cifar10_quick", 100),
+             Case("cifar10_quick", 200)]
+    if bf16_supported():
+        cases += [Case("cifar10_quick", 100, "bf16", True), Case("cifar10_quick", 200, "bf16", True)]
+    else:
+        print("this CPU has no native bfloat16: the bf16 rows are left out")
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    for round_index in range(args.rounds):
+        for case in cases:
+            for variant in (*VARIANTS, "sn_1worker"):
+                rate = (measure("sn", case, 1, timing, topology) if variant == "sn_1worker"
+                        else measure(variant, case, workers, timing, topology))
+                samples.setdefault((case.label, variant), []).append(rate)
+                print(f"round {round_index + 1}: {case.label:24s} {variant:10s} {rate:9.1f} samples/s", flush=True)
+
+    peak = {"fp32": matmul_peak(torch.float32, workers, topology)}
+    if bf16_supported():
+        peak["bf16"] = matmul_peak(torch.bfloat16, workers, topology)
+    memory = memory_comparison(workers, topology)
+    rows = []
+    for case in cases:
+        med = {v: statistics.median(samples[(case.label, v)]) for v in (*VARIANTS, "sn_1worker")}
+        spread = {v: [min(samples[(case.label, v)]), max(samples[(case.label, v)])] for v in med}
+        fp32_plain = statistics.median(samples[(Case(case.model, case.batch).label, "plain")])
+        gflops = flops_per_sample(case) * med["sn"] / 1e9
+        rows.append({"case": case.label, **asdict(case), "per_worker_batch": case.batch / workers,
+                     "median": med, "min_max": spread,
+                     "sn_over_plain": med["sn"] / med["plain"], "sn_over_ddp": med["sn"] / med["ddp"],
+                     "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
+                     "sn_over_fp32_plain": med["sn"] / fp32_plain, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
+                     "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
+    report = {"machine": describe_machine(), "workers": workers, "threads_per_worker": 1,
+              "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
+              "data": "synthetic, in memory", "matmul_peak_gflops": peak, "memory_resnet18_pss_bytes": memory,
+              "rows": rows, "command": "python scripts/bench.py" + (" --quick" if args.quick else "")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report) + "\n")
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# sn_trainer against plain PyTorch, DDP-gloo and the ideal, W={report['workers']}", "",
+             f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores ({', '.join(m['isa'])}), "
+             f"torch {m['torch']}. `{report['command']}`: {report['rounds']} rounds x {report['steps']} steps "
+             f"after {report['warmup']} warm-up, {report['optimizer']}, {report['data']}. Samples/s are medians "
+             "over rounds [min-max].", "",
+             "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | sn/plain | sn/DDP | sn/ideal "
+             "| DDP/ideal | sn 1->W | sn GFLOP/s (of peak) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        med, mm = r["median"], r["min_max"]
+        cell = {v: f"{med[v]:.0f} [{mm[v][0]:.0f}-{mm[v][1]:.0f}]" for v in VARIANTS}
+        lines.append(f"| {r['case']} | {r['per_worker_batch']:g} | {cell['plain']} | {cell['ddp']} | {cell['sn']} "
+                     f"| {cell['ideal']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} | {r['sn_over_ideal']:.2f} "
+                     f"| {r['ddp_over_ideal']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
+                     f"({100 * r['sn_fraction_of_peak']:.0f}%) |")
+    bf16 = [r for r in report["rows"] if r["precision"] == "bf16"]
+    for r in bf16:
+        lines.append(f"\n{r['case']}: sn_trainer / fp32 plain PyTorch = {r['sn_over_fp32_plain']:.2f}")
+    peak = report["matmul_peak_gflops"]
+    lines.append("\nMatmul peak measured in the same run (1024x1024, one pinned process per core): "
+                 + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()) + ".")
+    mem = report["memory_resnet18_pss_bytes"]
+    lines.append(f"\nresnet18 (3x64x64, batch 32), summed PSS of all workers: sn_trainer {mem['sn'] / 2**20:.0f} MiB, "
+                 f"DDP {mem['ddp'] / 2**20:.0f} MiB, ratio {mem['ratio_sn_over_ddp']:.2f}.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
