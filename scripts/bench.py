@@ -125,8 +125,11 @@ def ddp_worker(rank, case, timing, pinning, store, queue):
     slowest = torch.tensor([seconds])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put(case.batch * timing.steps / slowest.item())
-    dist.destroy_process_group()
+        queue.put(case.batch * timing.steps / slowest.item())  # a SimpleQueue writes synchronously
+    dist.barrier()
+    # Leave without gloo's teardown: destroying the group at exit aborted one process in a few
+    # of our runs ("terminate called without an active exception"); the result is already out.
+    os._exit(0)
 
 
 def ideal_worker(rank, case, timing, pinning, start_line, queue):
@@ -197,11 +200,11 @@ def flops_per_sample(case: Case) -> float:
 class PssSampler(threading.Thread):
     def __init__(self):
         super().__init__(daemon=True)
-        self.peak, self._stop = 0, threading.Event()
+        self.peak, self._halt = 0, threading.Event()
 
     def run(self):
         me = psutil.Process()
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             total = 0
             for child in me.children(recursive=True):
                 try:
@@ -210,10 +213,10 @@ class PssSampler(threading.Thread):
                 except psutil.Error:
                     continue
             self.peak = max(self.peak, total)
-            self._stop.wait(0.2)
+            self._halt.wait(0.2)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak
 

@@ -158,7 +158,7 @@ class Trainer:
             batch_size=cfg.batch_size,
             train_seconds=lead["train_seconds"],
             phase_seconds={p: sum(r["phase_seconds"][p] for r in results) / len(results) for p in PHASES},
-            peak_memory_bytes=peak,
+            peak_memory_bytes=max(peak, sum(r["pss_bytes"] for r in results)),
             eval_loss=lead.get("eval_loss"),
             eval_accuracy=lead.get("eval_accuracy"),
             history=history,

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from ..data.batching import fetch_batch
 from ..data.sampler import GlobalBatches, slice_bounds
+from ..report.memory import pss_bytes
 from .comm import ShmBuffers, make_reducer
 from .shared import (attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
                      shard_parameter)
@@ -288,6 +289,6 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     if plan.total_steps > plan.measure_after:
         cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
     profiler.stop()
-    return {"phase_seconds": timer.seconds, "measured_steps": plan.total_steps - plan.measure_after,
+    return {"pss_bytes": pss_bytes(), "phase_seconds": timer.seconds, "measured_steps": plan.total_steps - plan.measure_after,
             "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
             "cpu_percent_per_core": cpu_percent, **eval_metrics}
