@@ -1,7 +1,7 @@
 """sn_trainer: data-parallel training on the cores of one CPU node, with one shared model."""
 from .config import ConfigError
 from .engine.launch import WorkerFailed
-from .trainer import FitResult, Trainer
+from .trainer import FitResult, Trainer, TrainingDiverged, TrainingInterrupted
 
-__all__ = ["ConfigError", "FitResult", "Trainer", "WorkerFailed"]
+__all__ = ["ConfigError", "FitResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "WorkerFailed"]
 __version__ = "0.1.0"

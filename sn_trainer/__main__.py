@@ -8,19 +8,32 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, RunConfig
+from .engine.launch import WorkerFailed
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     from .run import run  # after Hydra parsed the command line: `--help` stays fast
+    from .trainer import TrainingDiverged, TrainingInterrupted
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         summary = run(RunConfig.from_dict(resolved), HydraConfig.get().runtime.output_dir, resolved)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit(2, f"error: {exc}")
+    except TrainingInterrupted as exc:
+        _exit(128 + exc.signum, f"interrupted: {exc}; resume with resume={exc.checkpoint}"
+              if exc.checkpoint else f"interrupted: {exc}")
+    except (WorkerFailed, TrainingDiverged) as exc:
+        _exit(1, f"error: {exc}")
+    except KeyboardInterrupt:
+        _exit(130, "interrupted: stopped at once (second signal); no checkpoint of the current step")
     return summary.get("test_accuracy")
+
+
+def _exit(code: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def main() -> None:

@@ -59,6 +59,20 @@ class TrainerConfig:
     """When set, each worker writes a torch.profiler Chrome trace of profile_steps steps here."""
     profile_steps: int = 3
     """Steps traced by the profiler, from the end of the warm-up."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; none are written without it."""
+    checkpoint_every_steps: int | None = None
+    """Checkpoint every this many optimizer steps (besides the last step and a stop by signal)."""
+    checkpoint_every_epochs: int | None = None
+    """Checkpoint every this many epochs."""
+    checkpoint_keep: int = 3
+    """Keep the last this many checkpoints."""
+    resume: str | None = None
+    """Continue from a checkpoint: "latest" (in checkpoint_dir), a checkpoint directory, or a file."""
+    max_restarts: int = 0
+    """When a worker dies, restart all from the last checkpoint up to this many times."""
+    on_nan: str = "stop"
+    """A non-finite loss or gradient: stop (naming the step), or skip that update and count it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, str):
@@ -93,6 +107,16 @@ class TrainerConfig:
                  f"measure_after must be >= 0, got {self.measure_after!r}")
         _require(_is_int(self.profile_steps) and self.profile_steps >= 1,
                  f"profile_steps must be >= 1, got {self.profile_steps!r}")
+        for key in ("checkpoint_every_steps", "checkpoint_every_epochs"):
+            value = getattr(self, key)
+            _require(value is None or (_is_int(value) and value >= 1), f"{key} must be >= 1 or null, got {value!r}")
+        _require(_is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
+                 f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
+        _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
+                 f"max_restarts must be >= 0, got {self.max_restarts!r}")
+        _require(self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}")
+        _require(self.resume is None or isinstance(self.resume, str),
+                 f"resume must be latest, a directory or a file, got {self.resume!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -200,6 +224,15 @@ class BenchConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Where this run's checkpoints go (default: checkpoints/ in the run's output directory)."""
+    every_steps: int | None = None
+    every_epochs: int | None = 1
+    keep: int = 3
+
+
+@dataclass
 class RunConfig:
     """One command-line run: the trainer's settings at the top level, plus what to train."""
 
@@ -208,6 +241,7 @@ class RunConfig:
     dataset: DatasetConfig
     optim: OptimConfig
     bench: BenchConfig = field(default_factory=BenchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: bool = False
     """Write a torch.profiler trace of a few steps per worker into the output directory."""
 
@@ -215,12 +249,19 @@ class RunConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
         """Build from a plain dict (Hydra's resolved config); unknown keys are errors."""
         raw = dict(raw)
-        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig}
+        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig,
+                    "checkpoint": CheckpointConfig}
         parts = {key: _build(kind, raw.pop(key, None) or {}, key) for key, kind in sections.items()}
         raw.pop("hydra", None)
         profile = raw.pop("profile", False)
         _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
-        return cls(trainer=_build(TrainerConfig, raw, None), profile=profile, **parts)
+        for key in [k for k in raw if k.startswith("checkpoint_")]:
+            raise ConfigError(f"unknown setting {key}; use checkpoint.{key[len('checkpoint_'):]}")
+        ckpt = parts["checkpoint"]
+        trainer = _build(TrainerConfig, {**raw, "checkpoint_dir": ckpt.dir, "checkpoint_every_steps": ckpt.every_steps,
+                                         "checkpoint_every_epochs": ckpt.every_epochs,
+                                         "checkpoint_keep": ckpt.keep}, None)
+        return cls(trainer=trainer, profile=profile, **parts)
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str | None):

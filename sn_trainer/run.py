@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
+from . import checkpoint
 from .config import ConfigError, RunConfig
 from .data.datasets import load_datasets
 from .engine.topology import read_topology
@@ -39,9 +41,12 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
             summary = {"config": resolved, "machine": machine, "skipped": reason}
             _write_json_atomically(out / "summary.json", summary)
             return summary
-        trainer_settings.update(max_steps=cfg.bench.warmup + cfg.bench.steps, measure_after=cfg.bench.warmup)
+        trainer_settings.update(max_steps=cfg.bench.warmup + cfg.bench.steps, measure_after=cfg.bench.warmup,
+                                checkpoint_dir=None)  # a benchmark job has nothing worth resuming
     if cfg.profile:
         trainer_settings["profile_dir"] = str(out)
+    if cfg.trainer.resume:
+        _check_resume_config(cfg, resolved)
     data = load_datasets(cfg.dataset)
     log.info("data: %s (%d train, %d test, shape %s)", data.source, len(data.train), len(data.test),
              list(data.sample_shape))
@@ -59,7 +64,8 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
-                             scheduler=build_scheduler(cfg.optim, total_steps), on_log=progress)
+                             scheduler=build_scheduler(cfg.optim, total_steps), on_log=progress,
+                             run_config=resolved)
     finally:
         progress.close()
     summary = {
@@ -81,12 +87,35 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "test_loss": result.eval_loss,
         "test_accuracy": result.eval_accuracy,
         "peak_memory_bytes": result.peak_memory_bytes,
+        "skipped_steps": result.skipped_steps,
+        "restarts": result.restarts,
+        "last_checkpoint": result.last_checkpoint,
+        "process": _process_hygiene(),
     }
     _write_json_atomically(out / "summary.json", summary)
     accuracy = f"test accuracy {result.eval_accuracy:.4f}, " if result.eval_accuracy is not None else ""
     print(f"{accuracy}{result.samples_per_sec:.0f} samples/s ({result.workers} workers x {result.threads} "
           f"threads, batch {result.batch_size}); results in {out}", flush=True)
     return summary
+
+
+def _check_resume_config(cfg: RunConfig, resolved: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint written for another model or dataset."""
+    path = checkpoint.resolve(cfg.trainer.resume, cfg.trainer.checkpoint_dir)
+    saved = checkpoint.load(path).get("config") or {}
+    for section in ("model", "dataset"):
+        theirs = (saved.get(section) or {}).get("name")
+        mine = resolved[section]["name"]
+        if theirs is not None and theirs != mine:
+            raise ConfigError(f"{path} was written for {section}={theirs}, this run has {section}={mine}; "
+                              f"resume with {section}={theirs} or start afresh without resume")
+
+
+def _process_hygiene() -> dict[str, int]:
+    """What this process holds after a run: must not grow from one job of a sweep to the next."""
+    me = psutil.Process()
+    shm = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else -1
+    return {"open_fds": me.num_fds(), "child_processes": len(me.children(recursive=True)), "dev_shm_entries": shm}
 
 
 def _oversubscribed(cfg: RunConfig, physical_cores: int) -> str | None:

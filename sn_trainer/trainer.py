@@ -5,6 +5,7 @@ import functools
 import io
 import logging
 import pickle
+import signal
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -15,13 +16,16 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import checkpoint
+from .checkpoint import CheckpointDir
 from .config import ConfigError, TrainerConfig
 from .data.batching import check_sample, share_dataset
 from .engine.comm import SHM_SAFE, ShmBuffers
-from .engine.launch import launch
+from .engine.launch import WorkerFailed, launch
+from .engine.signals import graceful_stop
 from .engine.shared import SharedParams
 from .engine.topology import auto_workers, plan_pinning, read_topology
-from .engine.worker import PHASES, Job, StepPlan, WorkerSpec, run_worker
+from .engine.worker import PHASES, STOP_REQUESTED, Job, StepPlan, WorkerSpec, run_worker
 from .report.machine import bf16_supported
 from .report.memory import PeakMemory
 
@@ -46,9 +50,30 @@ class FitResult:
     eval_accuracy: float | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     cpu_percent_per_core: list[float] = field(default_factory=list)  # system-wide, over the measured steps
+    skipped_steps: int = 0  # updates left out for a non-finite loss or gradient (on_nan="skip")
+    restarts: int = 0
+    last_checkpoint: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped the run after a whole step; ``checkpoint`` resumes it."""
+
+    def __init__(self, signum: int, step: int, checkpoint_path):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint_path
+        where = f"checkpoint {checkpoint_path}" if checkpoint_path else "no checkpoint (set checkpoint_dir to keep one)"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {where}")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became non-finite; no update was applied for that step."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"loss or gradient became non-finite at step {step} (no update applied, no checkpoint "
+                         "written); lower the learning rate, set clip_grad_norm, or use on_nan=skip")
 
 
 class _TensorFreePickler(pickle.Pickler):
@@ -100,6 +125,8 @@ class Trainer:
             self.comm = "gloo"
         elif self.comm == "auto" and not SHM_SAFE:
             self.comm = "gloo"
+        # Shared with the workers: the launcher sets STOP_REQUESTED on SIGINT/SIGTERM.
+        self._control = torch.zeros(2, dtype=torch.int64).share_memory_()
 
     def fit(
         self,
@@ -110,6 +137,7 @@ class Trainer:
         loss_fn: Callable[..., torch.Tensor] | None = None,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         on_log: Callable[[dict[str, Any]], None] | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
@@ -120,9 +148,13 @@ class Trainer:
                 cross-entropy.
             scheduler: called as ``scheduler(optimizer)``; stepped once per optimizer step.
             on_log: called here, in this process, with each progress record.
+            run_config: plain data stored in every checkpoint (the CLI's resolved config).
         Raises:
-            ConfigError: bad arguments, before any process starts.
-            WorkerFailed: a worker raised or died; all workers are gone by then.
+            ConfigError: bad arguments or checkpoint, before any process starts.
+            WorkerFailed: a worker raised or died (after max_restarts restarts); all workers
+                are gone by then.
+            TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
+            TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
         cfg = self.config
         loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
@@ -137,19 +169,55 @@ class Trainer:
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
                               "lower it or train longer")
-        plan = self._plan(total_steps, steps_per_epoch, evaluate_each_epoch=eval_set is not None)
+        directory = CheckpointDir(cfg.checkpoint_dir, cfg.checkpoint_keep) if cfg.checkpoint_dir else None
+        if directory is not None:
+            directory.check_writable()
+        resume_from = checkpoint.resolve(cfg.resume, cfg.checkpoint_dir) if cfg.resume else None
+        initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         history: list[dict[str, Any]] = []
+        restarts = 0
+        while True:
+            saved = self._load_checkpoint(resume_from, model, total_steps) if resume_from else None
+            plan = self._plan(total_steps, steps_per_epoch, evaluate_each_epoch=eval_set is not None,
+                              start_step=saved["step"] if saved else 0, checkpointing=directory is not None)
+            collector = (checkpoint.Collector(self.workers, sum(p.numel() for p in model.parameters() if p.requires_grad),
+                                              directory, run_config) if directory else None)
 
-        def relay(rank: int, record: dict[str, Any]) -> None:
-            history.append(record)
-            if on_log is not None:
-                on_log(record)
+            def relay(rank: int, message: tuple) -> None:
+                if message[0] == "progress":
+                    history.append(message[1])
+                    if on_log is not None:
+                        on_log(message[1])
+                elif message[0] == "checkpoint" and collector is not None:
+                    path = collector.add(message[1], message[2])
+                    if path is not None:
+                        log.info("checkpoint: %s", path)
 
-        results, peak = self._run(model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay)
+            try:
+                with graceful_stop(self._control, STOP_REQUESTED) as received:
+                    results, peak = self._run(model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay,
+                                              resume=saved)
+                break
+            except WorkerFailed as failure:
+                if restarts >= cfg.max_restarts:
+                    raise
+                restarts += 1
+                latest = directory.latest() if directory else None
+                log.warning("%s\nrestart %d of %d, from %s", failure, restarts, cfg.max_restarts,
+                            latest or resume_from or "the initial parameters")
+                if latest is not None:
+                    resume_from = latest
+                elif resume_from is None:
+                    model.load_state_dict(initial_state)
         lead = results[0]
+        if lead["diverged_at"] is not None:
+            raise TrainingDiverged(lead["diverged_at"])
+        if lead["stopped_at"] is not None:
+            raise TrainingInterrupted(received[0] if received else signal.SIGTERM, lead["stopped_at"],
+                                      collector.last_saved if collector else None)
         samples = lead["measured_steps"] * cfg.batch_size * cfg.accumulate
         return FitResult(
-            samples_per_sec=samples / lead["train_seconds"],
+            samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
             per_worker_batch=cfg.batch_size / self.workers,
             steps=total_steps,
             final_loss=lead["final_loss"],
@@ -163,7 +231,24 @@ class Trainer:
             eval_accuracy=lead.get("eval_accuracy"),
             history=history,
             cpu_percent_per_core=lead["cpu_percent_per_core"],
+            skipped_steps=lead["skipped_steps"],
+            restarts=restarts,
+            last_checkpoint=str(collector.last_saved) if collector and collector.last_saved else None,
         )
+
+    def _load_checkpoint(self, path, model: nn.Module, total_steps: int) -> dict[str, Any]:
+        saved = checkpoint.load(path)
+        checkpoint.check_model(saved, model, path)
+        if saved["step"] >= total_steps:
+            raise ConfigError(f"{path} is at step {saved['step']}, and this run has {total_steps} steps: nothing "
+                              "left to train; raise epochs or max_steps to go on")
+        if len(saved["rng"]) != self.workers:
+            log.warning("%s was written by %d workers, this run has %d: parameters and optimizer state resume "
+                        "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]),
+                        self.workers)
+        model.load_state_dict(saved["model"])
+        log.info("resuming from %s (step %d)", path, saved["step"])
+        return saved
 
     def evaluate(self, model: nn.Module, dataset: Dataset,
                  loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, float]:
@@ -181,13 +266,16 @@ class Trainer:
                         comm=self.comm, reduce=cfg.reduce, precision=self.precision,
                         channels_last=cfg.channels_last, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
                         measure_after=cfg.measure_after, profile_dir=cfg.profile_dir, profile_steps=cfg.profile_steps,
-                        **flags)
+                        checkpoint_every_steps=cfg.checkpoint_every_steps,
+                        checkpoint_every_epochs=cfg.checkpoint_every_epochs, on_nan=cfg.on_nan, **flags)
 
-    def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay, target=run_worker):
+    def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay, target=run_worker,
+             resume=None):
         for obj, what in ((model, "the model"), (loss_fn, "loss_fn"), (optimizer, "the optimizer factory"),
                           (scheduler, "the scheduler factory"), (train_set, "train_set"), (eval_set, "eval_set")):
             _check_sendable(obj, what)
         pinning = plan_pinning(self.topology, self.workers, self.config.threads)
+        self._control.zero_()
         rendezvous_dir = tempfile.mkdtemp(prefix="sn_trainer-")  # mode 0700, removed below
         shared = SharedParams(model, self.workers, channels_last=plan.channels_last)
         try:
@@ -198,7 +286,8 @@ class Trainer:
                       optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, plan=plan,
                       losses=torch.zeros(2, self.workers, dtype=torch.float64).share_memory_(),
                       shm=(ShmBuffers.allocate(self.workers, shared.flat.numel(), shared.flat.dtype)
-                           if plan.comm in ("shm", "auto") and self.workers > 1 else None))
+                           if plan.comm in ("shm", "auto") and self.workers > 1 else None),
+                      control=self._control, resume=resume)
             specs = [WorkerSpec(rank=r, world_size=self.workers, cpus=pinning[r], threads=self.config.threads,
                                 store_path=f"{rendezvous_dir}/store", job=job) for r in range(self.workers)]
             peak = PeakMemory()

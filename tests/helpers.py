@@ -118,3 +118,28 @@ def probe_replica(spec, send):
     report["state_numel"] = sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
     replica.close()
     return report
+
+
+class NaNAt(nn.Module):
+    """Wraps a model; its ``at_call``-th forward in every worker returns NaN outputs."""
+
+    def __init__(self, inner: nn.Module, at_call: int):
+        super().__init__()
+        self.inner, self.at_call, self.calls = inner, at_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.inner(x)
+        return out * float("nan") if self.calls == self.at_call else out
+
+
+def processes_with_marker(marker: str) -> list[psutil.Process]:
+    """Processes whose environment carries SN_TEST_MARKER=marker (a run and all it started)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SN_TEST_MARKER") == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found

@@ -7,8 +7,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from helpers import processes_with_marker
 
 pytestmark = pytest.mark.timeout(300)
 TINY = ["dataset=synthetic", "dataset.train_size=256", "dataset.test_size=64", "log_every=2"]
@@ -17,17 +18,6 @@ TINY = ["dataset=synthetic", "dataset.train_size=256", "dataset.test_size=64", "
 def sn_train(args, cwd, env=None, timeout=240):
     return subprocess.run([sys.executable, "-m", "sn_trainer", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def processes_marked(marker):
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SN_TEST_MARKER") == marker:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def test_run_writes_summary_metrics_and_log(tmp_path):
@@ -55,7 +45,7 @@ def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert sorted((s["batch_size"], s["workers"]) for s in summaries) == [(16, 1), (16, 2), (32, 1), (32, 2)]
-    assert processes_marked(marker) == []
+    assert processes_with_marker(marker) == []
 
 
 @pytest.mark.parametrize("args, message", [

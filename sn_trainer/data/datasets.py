@@ -201,12 +201,27 @@ def _cifar_directory(cfg: DatasetConfig) -> Path | None:
     return None
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles CIFAR-10's batches (dicts of bytes, lists and numpy arrays) and nothing else.
+
+    The format is a pickle, which could carry code; only the numpy names an array needs to be
+    rebuilt are allowed, so a doctored file fails to load instead of running anything.
+    """
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a CIFAR-10 batch")
+
+
 def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         with open(path, "rb") as f:
-            # These are the dataset's own files in the format its authors publish (pickled
-            # dicts); only load them from a copy you trust, as with any pickle.
-            batch = pickle.load(f, encoding="bytes")
+            batch = _CifarUnpickler(f, encoding="bytes").load()
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = batch.get(b"labels", batch.get(b"fine_labels"))
         images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())

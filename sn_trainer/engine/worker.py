@@ -16,12 +16,14 @@ from torch.utils.data import Dataset
 
 from ..data.batching import fetch_batch
 from ..data.sampler import GlobalBatches, slice_bounds
+from ..checkpoint import shard_optimizer_state, worker_part
 from ..report.memory import pss_bytes
 from .comm import ShmBuffers, make_reducer
 from .shared import (attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
                      shard_parameter)
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
+STOP_REQUESTED, STOP_AT = 0, 1  # slots of Job.control
 
 
 @dataclass
@@ -43,6 +45,11 @@ class StepPlan:
     evaluate_each_epoch: bool = False  # and after the last step
     evaluate_only: bool = False
     measure_after: int = 0  # warm-up steps left out of samples/s and phase seconds
+    start_step: int = 0  # > 0 when resuming
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_epochs: int | None = None
+    on_nan: str = "stop"  # or "skip": leave out the update of a step with a non-finite loss or gradient
+    checkpointing: bool = False  # send checkpoint parts to the launcher (on schedule, at the end, on stop)
     profile_dir: str | None = None  # write a torch.profiler trace per worker here
     profile_steps: int = 3
 
@@ -61,7 +68,9 @@ class Job:
     loss_fn: Callable[..., torch.Tensor]
     plan: StepPlan
     losses: torch.Tensor  # [2, world]: each worker's weighted loss, double-buffered by step parity
+    control: torch.Tensor | None = None  # int64 [2]: STOP_REQUESTED (set by the launcher), STOP_AT
     shm: ShmBuffers | None = None  # for comm=shm or auto
+    resume: dict[str, Any] | None = None  # optimizer, scheduler and RNG states of a checkpoint
 
 
 @dataclass
@@ -118,6 +127,8 @@ class Replica:
             self.optimizer = job.optimizer([self.shard_param])
             if job.scheduler is not None:
                 self.scheduler = job.scheduler(self.optimizer)
+        if job.resume is not None:
+            self.restore(job.resume)
         self.batches = None
         if job.train_set is not None:
             self.batches = GlobalBatches(len(job.train_set), plan.batch_size, plan.accumulate, plan.seed)
@@ -125,6 +136,19 @@ class Replica:
         # The share of the step's loss this worker carries: b_r / (B * accumulate). The sum of
         # the workers' gradients is then exactly the gradient of the step's mean loss.
         self.loss_weight = (self.slice[1] - self.slice[0]) / (plan.batch_size * plan.accumulate)
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from a checkpoint: this shard's optimizer state, the schedule, the RNG."""
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(shard_optimizer_state(saved, self.shard.start, self.shard.stop))
+            if self.scheduler is not None and saved["scheduler"] is not None:
+                self.scheduler.load_state_dict(saved["scheduler"])
+        if len(saved["rng"]) == self.world_size:  # same worker count: same random streams
+            torch.set_rng_state(saved["rng"][self.rank])
+
+    def checkpoint_part(self) -> bytes:
+        return worker_part(self.rank, (self.shard.start, self.shard.stop), self.optimizer, self.scheduler,
+                           self.model if self.rank == 0 else None)
 
     def micro_batch(self, epoch: int, step_in_epoch: int, micro: int):
         indices = self.batches.indices(epoch, step_in_epoch, micro)[self.slice[0] : self.slice[1]]
@@ -153,6 +177,11 @@ class Replica:
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+
+    def all_finite(self, loss: float, shard_grad: torch.Tensor) -> bool:
+        """Whether the loss and the whole averaged gradient are finite; the same answer everywhere."""
+        check = torch.tensor([shard_grad.sum().item() if shard_grad.numel() else 0.0, loss], dtype=torch.float64)
+        return bool(torch.isfinite(self.reducer.all_reduce_sum(check)).all())
 
     def current_lr(self) -> float | None:
         if self.optimizer is None:
@@ -201,8 +230,13 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
         replica.close()
 
 
-def train_step(replica: Replica, timer: PhaseTimer, step: int) -> float:
-    """One optimizer step, in every worker at once; returns the global batch's mean loss."""
+def train_step(replica: Replica, timer: PhaseTimer, step: int) -> tuple[float, bool]:
+    """One optimizer step, in every worker at once.
+
+    Returns:
+        The global batch's mean loss, and whether loss and gradient were finite (when not,
+        the update was left out).
+    """
     plan, job = replica.plan, replica.job
     epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
     weighted_loss = 0.0
@@ -220,12 +254,18 @@ def train_step(replica: Replica, timer: PhaseTimer, step: int) -> float:
     job.losses[step % 2, replica.rank] = weighted_loss
     with timer("reduce"):
         shard_grad = replica.reducer.reduce()
+    # Every worker has written its loss by now, and a peer writes this parity again only after
+    # the next step's reduce: all read the same global loss.
+    loss = job.losses[step % 2].sum().item()
+    finite = replica.all_finite(loss, shard_grad)
     with timer("update"):
-        replica.update(shard_grad)
+        if finite:
+            replica.update(shard_grad)
+    if replica.rank == 0 and job.control[STOP_REQUESTED]:
+        job.control[STOP_AT] = step + 1  # published before the barrier: all workers stop together
     with timer("wait"):
         replica.reducer.barrier()  # nobody reads parameters that are still being written
-    # Safe to read right after the barrier: a peer writes this parity again only after the next.
-    return job.losses[step % 2].sum().item()
+    return loss, finite
 
 
 class Profiler:
@@ -256,27 +296,41 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     plan, job = replica.plan, replica.job
     reporting = replica.rank == 0
     step_samples = plan.batch_size * plan.accumulate
+    measure_from = max(plan.measure_after, plan.start_step)
     timer = PhaseTimer()
-    profiler = Profiler(plan.profile_dir, plan.measure_after, plan.profile_steps, replica.rank)
+    profiler = Profiler(plan.profile_dir, measure_from, plan.profile_steps, replica.rank)
     eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
+    skipped, stopped_at, diverged_at = 0, None, None
     started = last_log_time = time.perf_counter()
-    last_log_step = 0
+    last_log_step = plan.start_step
     replica.model.train()
-    for step in range(plan.total_steps):
-        if step == plan.measure_after:  # warm-up over (if any): measure from here
+    for step in range(plan.start_step, plan.total_steps):
+        if step == measure_from:  # warm-up over (if any): measure from here
             timer, eval_seconds = PhaseTimer(), 0.0
             started = time.perf_counter()
             psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
         profiler.before(step)
-        loss = train_step(replica, timer, step)
+        loss, finite = train_step(replica, timer, step)
         profiler.after(step)
 
         done = step + 1
+        if not finite:  # every worker saw the same loss and gradient check: they agree
+            if plan.on_nan == "stop":
+                diverged_at = done
+                break
+            skipped += 1
         end_of_epoch = done % plan.steps_per_epoch == 0
+        stopping = int(job.control[STOP_AT]) == done
+        if plan.checkpointing and (stopping or checkpoint_due(plan, done, end_of_epoch)):
+            send(("checkpoint", done, replica.checkpoint_part()))
+        if stopping:
+            stopped_at = done
+            break
         if reporting and (done % plan.log_every == 0 or end_of_epoch or done == plan.total_steps):
             now = time.perf_counter()
-            send({"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss, "lr": replica.current_lr(),
-                  "samples_per_sec": (done - last_log_step) * step_samples / (now - last_log_time)})
+            send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss,
+                               "lr": replica.current_lr(),
+                               "samples_per_sec": (done - last_log_step) * step_samples / (now - last_log_time)}))
             last_log_step, last_log_time = done, now
         if plan.evaluate_each_epoch and (end_of_epoch or done == plan.total_steps):
             eval_started = time.perf_counter()
@@ -284,11 +338,21 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             eval_seconds += time.perf_counter() - eval_started
             last_log_time += time.perf_counter() - eval_started
             if reporting:
-                send({"step": done, "epoch": done / plan.steps_per_epoch, **eval_metrics})
+                send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, **eval_metrics}))
     train_seconds = time.perf_counter() - started - eval_seconds
-    if plan.total_steps > plan.measure_after:
+    last = stopped_at or diverged_at or plan.total_steps
+    if last > measure_from:
         cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
     profiler.stop()
-    return {"pss_bytes": pss_bytes(), "phase_seconds": timer.seconds, "measured_steps": plan.total_steps - plan.measure_after,
+    return {"pss_bytes": pss_bytes(), "phase_seconds": timer.seconds, "measured_steps": last - measure_from,
             "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
-            "cpu_percent_per_core": cpu_percent, **eval_metrics}
+            "cpu_percent_per_core": cpu_percent, "skipped_steps": skipped, "stopped_at": stopped_at,
+            "diverged_at": diverged_at, **eval_metrics}
+
+
+def checkpoint_due(plan: StepPlan, done: int, end_of_epoch: bool) -> bool:
+    if plan.checkpoint_every_steps and done % plan.checkpoint_every_steps == 0:
+        return True
+    if plan.checkpoint_every_epochs and end_of_epoch and (done // plan.steps_per_epoch) % plan.checkpoint_every_epochs == 0:
+        return True
+    return done == plan.total_steps
