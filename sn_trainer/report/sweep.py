@@ -64,11 +64,20 @@ def _row(job: str, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_efficiency(rows: list[dict[str, Any]]) -> None:
-    """Scaling efficiency: samples/s over (cores used x samples/s of one worker, same batch)."""
-    single = {(r["model"], r["threads"], r["batch_size"]): r["samples_per_sec"] for r in rows if r["workers"] == 1}
+    """Scaling efficiency: samples/s over (cores used x samples/s of one worker on one core).
+
+    Cores used = workers x threads, so thread scaling and worker scaling share one yardstick;
+    without a 1 x 1 job at that batch, the 1-worker job of the same thread count is the base.
+    """
+    one_core = {(r["model"], r["batch_size"]): r["samples_per_sec"] for r in rows
+                if r["workers"] == 1 and r["threads"] == 1}
+    one_worker = {(r["model"], r["threads"], r["batch_size"]): r["samples_per_sec"] for r in rows if r["workers"] == 1}
     for r in rows:
-        base = single.get((r["model"], r["threads"], r["batch_size"]))
-        r["efficiency"] = r["samples_per_sec"] / (base * r["workers"]) if base else None
+        base = one_core.get((r["model"], r["batch_size"]))
+        cores = r["workers"] * r["threads"]
+        if base is None:
+            base, cores = one_worker.get((r["model"], r["threads"], r["batch_size"])), r["workers"]
+        r["efficiency"] = r["samples_per_sec"] / (base * cores) if base else None
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -129,12 +138,20 @@ def _speed_vs_workers(ax, rows):
     for (batch, threads), series in _series(rows, lambda r: (r["batch_size"], r["threads"]), "workers").items():
         ax.plot([r["workers"] for r in series], [r["samples_per_sec"] for r in series], marker="o",
                 linestyle="-" if threads == 1 else "--", label=f"batch {batch}, {threads} thread(s)/worker")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("workers")
+    _worker_axis(ax, rows)
     ax.set_ylabel("training speed (samples/s)")
     ax.set_title("speed against workers")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+
+
+def _worker_axis(ax, rows):
+    """Workers on a log2 axis, ticked at the counts that ran, labelled as plain numbers."""
+    counts = sorted({r["workers"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.minorticks_off()
+    ax.set_xlabel("workers")
 
 
 def _speed_vs_batch(ax, rows):
@@ -169,8 +186,9 @@ def _heatmap(ax, rows):
         for j, b in enumerate(batches):
             if (w, b) in cells:
                 c = cells[(w, b)]
-                ax.text(j, i, f"{c['samples_per_sec']:.0f}/s\n{c['per_worker_batch']:.0f} per worker"
-                        f"\n{c['threads']} thr", ha="center", va="center", color="white", fontsize=7)
+                ax.text(j, i, f"{c['samples_per_sec']:.0f} samples/s\n{c['per_worker_batch']:.0f} per worker"
+                        f"\n{c['threads']} thread(s)/worker", ha="center", va="center", fontsize=8,
+                        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     ax.set_title("best speed per cell (annotated: per-worker batch)")
 
 
@@ -180,10 +198,9 @@ def _efficiency(ax, rows):
         ax.plot([r["workers"] for r in series], [r["efficiency"] for r in series], marker="o",
                 linestyle="-" if threads == 1 else "--", label=f"batch {batch}, {threads} thread(s)/worker")
     ax.axhline(1.0, color="black", linewidth=1, label="ideal linear scaling")
-    ax.set_xscale("log", base=2)
+    _worker_axis(ax, rows)
     ax.set_ylim(0, 1.2)
-    ax.set_xlabel("workers")
-    ax.set_ylabel("scaling efficiency (speed / (workers x 1-worker speed))")
+    ax.set_ylabel("efficiency: speed / (cores x speed on 1 core)")
     ax.set_title("scaling efficiency")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
