@@ -13,6 +13,7 @@ import torch
 from . import checkpoint
 from .config import ConfigError, RunConfig
 from .data.datasets import load_datasets
+from .engine.cluster import Cluster
 from .engine.topology import read_topology
 from .models import build_model
 from .optim import build_optimizer, build_scheduler, effective_lr
@@ -53,7 +54,13 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model.name, data.sample_shape, data.num_classes,
                          **({"hidden": tuple(cfg.model.hidden)} if cfg.model.hidden else {}))
-    trainer = Trainer(**trainer_settings)
+    cluster = Cluster.from_env(os.environ)  # torchrun's environment, read here at the edge
+    if cluster is not None:
+        log.info("node %d of %d (rendezvous %s:%d); gloo between nodes binds to %s", cluster.node_rank,
+                 cluster.nodes, cluster.master_addr, cluster.master_port,
+                 f"interface {cluster.interface}" if cluster.interface else "the address of this host's name "
+                 "(set GLOO_SOCKET_IFNAME to choose an interface)")
+    trainer = Trainer(cluster=cluster, **trainer_settings)
     step_batch = cfg.trainer.batch_size * cfg.trainer.accumulate
     steps_per_epoch = len(data.train) // step_batch
     total_steps = trainer.config.max_steps or cfg.trainer.epochs * max(1, steps_per_epoch)

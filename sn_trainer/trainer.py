@@ -20,6 +20,7 @@ from . import checkpoint
 from .checkpoint import CheckpointDir
 from .config import ConfigError, TrainerConfig
 from .data.batching import check_sample, share_dataset
+from .engine.cluster import Cluster
 from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import WorkerFailed, launch
 from .engine.signals import graceful_stop
@@ -105,15 +106,20 @@ class Trainer:
     After ``fit`` returns, ``model`` holds the trained weights.
     """
 
-    def __init__(self, **settings: Any):
+    def __init__(self, cluster: Cluster | None = None, **settings: Any):
+        """``settings`` are TrainerConfig's fields; ``cluster`` joins nodes under torchrun
+        (``Cluster.from_env(os.environ)``), None trains on this node alone."""
         self.config = TrainerConfig(**settings)
+        self.cluster = cluster
         self.topology = read_topology()
         threads = self.config.threads
         self.workers = (auto_workers(self.topology, threads) if self.config.workers == "auto"
                         else self.config.workers)
-        if self.config.batch_size < self.workers:
-            raise ConfigError(f"batch_size={self.config.batch_size} is smaller than workers={self.workers}: "
-                              "every worker needs at least one sample; raise batch_size or lower workers")
+        nodes = cluster.nodes if cluster else 1
+        if self.config.batch_size < self.workers * nodes:
+            raise ConfigError(f"batch_size={self.config.batch_size} is smaller than workers={self.workers}"
+                              f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
+                              "sample; raise batch_size or lower workers")
         self.precision = self.config.precision
         if self.precision == "bf16" and not bf16_supported():
             log.warning("precision=bf16 asked for, but this CPU has no native bfloat16 (avx512_bf16 or AMX); "
@@ -169,10 +175,17 @@ class Trainer:
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
                               "lower it or train longer")
-        directory = CheckpointDir(cfg.checkpoint_dir, cfg.checkpoint_keep) if cfg.checkpoint_dir else None
+        leader = self.cluster is None or self.cluster.is_leader  # only the global leader writes checkpoints
+        directory = CheckpointDir(cfg.checkpoint_dir, cfg.checkpoint_keep) if cfg.checkpoint_dir and leader else None
         if directory is not None:
             directory.check_writable()
         resume_from = checkpoint.resolve(cfg.resume, cfg.checkpoint_dir) if cfg.resume else None
+        if self.cluster is not None:
+            self._agree_with_other_nodes()
+            if resume_from is None and self.cluster.restart_count > 0 and cfg.checkpoint_dir:
+                # torchrun restarted every node after a failure: all go on from the last checkpoint
+                # in the (shared) checkpoint directory.
+                resume_from = CheckpointDir(cfg.checkpoint_dir).latest()
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         history: list[dict[str, Any]] = []
         restarts = 0
@@ -218,7 +231,7 @@ class Trainer:
         samples = lead["measured_steps"] * cfg.batch_size * cfg.accumulate
         return FitResult(
             samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
-            per_worker_batch=cfg.batch_size / self.workers,
+            per_worker_batch=cfg.batch_size / (self.workers * (self.cluster.nodes if self.cluster else 1)),
             steps=total_steps,
             final_loss=lead["final_loss"],
             workers=self.workers,
@@ -235,6 +248,16 @@ class Trainer:
             restarts=restarts,
             last_checkpoint=str(collector.last_saved) if collector and collector.last_saved else None,
         )
+
+    def _agree_with_other_nodes(self) -> None:
+        """Every node must run the same number of workers: the shards and the batch split depend on it."""
+        store = self.cluster.store("nodes")
+        store.set(f"workers/{self.cluster.node_rank}", str(self.workers))
+        for node in range(self.cluster.nodes):
+            theirs = int(store.get(f"workers/{node}"))
+            if theirs != self.workers:
+                raise ConfigError(f"node {node} runs {theirs} workers, this node {self.workers}: every node needs "
+                                  "the same workers=... (set it explicitly rather than auto)")
 
     def _load_checkpoint(self, path, model: nn.Module, total_steps: int) -> dict[str, Any]:
         saved = checkpoint.load(path)
@@ -289,7 +312,8 @@ class Trainer:
                            if plan.comm in ("shm", "auto") and self.workers > 1 else None),
                       control=self._control, resume=resume)
             specs = [WorkerSpec(rank=r, world_size=self.workers, cpus=pinning[r], threads=self.config.threads,
-                                store_path=f"{rendezvous_dir}/store", job=job) for r in range(self.workers)]
+                                store_path=f"{rendezvous_dir}/store", job=job, cluster=self.cluster)
+                     for r in range(self.workers)]
             peak = PeakMemory()
             results = launch(target, specs, on_message=relay, on_tick=peak)
             return results, peak.peak_bytes

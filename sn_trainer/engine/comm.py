@@ -1,14 +1,17 @@
 """Collectives between the workers of one node: summing gradients into shards, and barriers.
 
 Every reducer owns the flat gradient buffer its worker's backward pass writes into
-(``grad_flat``), turns the workers' buffers into this worker's summed shard (``reduce``), and
-synchronises (``barrier``). Three kinds:
+(``grad_flat``), turns the workers' buffers into this worker's summed shard (``reduce``), sums
+small tensors over the node's workers (``sum_in_node``) and over the nodes (``sum_across_nodes``),
+and synchronises (``barrier``). Three kinds inside a node, and one wrapper across nodes:
 
 - ``LocalReducer``: one worker, nothing to do;
 - ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter);
 - ``ShmReducer``: the workers' buffers are rows of one shared-memory tensor; each worker sums
   its own column slice of them, and barriers spin on per-worker counters in shared memory, so
-  the hot path makes no system call and moves no byte through a socket.
+  the hot path makes no system call and moves no byte through a socket;
+- ``CrossNodeReducer``: wraps one of those; worker r then all-reduces its summed shard with
+  worker r of every other node (one gloo group per shard index, so every core takes part).
 """
 from __future__ import annotations
 
@@ -58,7 +61,10 @@ class LocalReducer:
     def reduce(self) -> torch.Tensor:
         return self.grad_flat[self.shard.start : self.shard.stop]
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:
@@ -99,8 +105,11 @@ class GlooReducer:
         self.group._reduce_scatter_base(self._recv, self.grad_flat).wait()
         return self._recv[: self.shard.size]
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:
@@ -130,12 +139,15 @@ class ShmReducer:
         torch.sum(self._columns, dim=0, out=self._recv)
         return self._recv
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         n = tensor.numel()
         self._scratch[self.rank, :n] = tensor.reshape(-1)
         self.barrier()
         tensor.copy_(self._scratch[:, :n].sum(dim=0).reshape(tensor.shape))
         self.barrier()  # nobody overwrites scratch before all have read it
+        return tensor
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:
@@ -150,6 +162,43 @@ class ShmReducer:
 
     def close(self) -> None:
         pass
+
+
+class CrossNodeReducer:
+    """A node's reducer, then an all-reduce of each shard with the same shard of the other nodes.
+
+    Every node applies the same update to the same parameters, so the nodes' shared parameters
+    stay identical without ever being sent.
+    """
+
+    name = "cross-node"
+
+    def __init__(self, local, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0):
+        self.local = local
+        self.grad_flat = local.grad_flat
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [device]
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = dist.ProcessGroupGloo(store, node_rank, nodes, options)
+
+    def reduce(self) -> torch.Tensor:
+        shard_grad = self.local.reduce()
+        self.group.allreduce([shard_grad]).wait()
+        return shard_grad
+
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.local.sum_in_node(tensor)
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def barrier(self) -> None:
+        self.local.barrier()
+
+    def close(self) -> None:
+        self.group.shutdown()
+        self.local.close()
 
 
 def calibrate(candidates: list, rounds: int = 8) -> list[float]:
@@ -186,7 +235,7 @@ def make_reducer(comm: str, rank: int, world_size: int, shard: Shard, padded_num
     # Rank 0's measurement decides, so that every worker picks the same reducer.
     decision = torch.tensor([1.0 if shm_seconds <= gloo_seconds else 0.0] if rank == 0 else [0.0],
                             dtype=torch.float64)
-    gloo_reducer.all_reduce_sum(decision)
+    gloo_reducer.sum_in_node(decision)
     shm_reducer.grad_flat.zero_()
     gloo_reducer.grad_flat.zero_()
     if decision.item() > 0:

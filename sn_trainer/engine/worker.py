@@ -18,7 +18,8 @@ from ..data.batching import fetch_batch
 from ..data.sampler import GlobalBatches, slice_bounds
 from ..checkpoint import shard_optimizer_state, worker_part
 from ..report.memory import pss_bytes
-from .comm import ShmBuffers, make_reducer
+from .cluster import Cluster
+from .comm import CrossNodeReducer, ShmBuffers, make_reducer
 from .shared import (attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
                      shard_parameter)
 
@@ -75,12 +76,21 @@ class Job:
 
 @dataclass
 class WorkerSpec:
-    rank: int
-    world_size: int
+    rank: int  # within the node
+    world_size: int  # workers in the node
     cpus: tuple[int, ...]
     threads: int
     store_path: str
     job: Job
+    cluster: Cluster | None = None  # several nodes under torchrun
+
+    @property
+    def global_rank(self) -> int:
+        return (self.cluster.node_rank if self.cluster else 0) * self.world_size + self.rank
+
+    @property
+    def global_world_size(self) -> int:
+        return (self.cluster.nodes if self.cluster else 1) * self.world_size
 
 
 @dataclass
@@ -118,6 +128,11 @@ class Replica:
         self.shard = shard_bounds(job.numel, spec.world_size)[spec.rank]
         self.reducer = make_reducer(plan.comm, spec.rank, spec.world_size, self.shard, job.flat.numel(),
                                     job.flat.dtype, spec.store_path, job.shm, plan.reduce)
+        self.cluster = spec.cluster
+        if spec.cluster is not None:
+            self.reducer = CrossNodeReducer(self.reducer, spec.cluster.store(f"shard{spec.rank}"),
+                                            spec.cluster.node_rank, spec.cluster.nodes, spec.cluster.device())
+        self.global_rank, self.global_world_size = spec.global_rank, spec.global_world_size
         self.grad_flat = self.reducer.grad_flat
         attach_gradients(self.model, self.grad_flat, plan.channels_last)
         self.shard_param = shard_parameter(job.flat, self.shard)
@@ -132,7 +147,8 @@ class Replica:
         self.batches = None
         if job.train_set is not None:
             self.batches = GlobalBatches(len(job.train_set), plan.batch_size, plan.accumulate, plan.seed)
-        self.slice = slice_bounds(plan.batch_size, spec.world_size, spec.rank)
+        # Every worker of every node takes its own slice of the same global batch.
+        self.slice = slice_bounds(plan.batch_size, spec.global_world_size, spec.global_rank)
         # The share of the step's loss this worker carries: b_r / (B * accumulate). The sum of
         # the workers' gradients is then exactly the gradient of the step's mean loss.
         self.loss_weight = (self.slice[1] - self.slice[0]) / (plan.batch_size * plan.accumulate)
@@ -143,7 +159,7 @@ class Replica:
             self.optimizer.load_state_dict(shard_optimizer_state(saved, self.shard.start, self.shard.stop))
             if self.scheduler is not None and saved["scheduler"] is not None:
                 self.scheduler.load_state_dict(saved["scheduler"])
-        if len(saved["rng"]) == self.world_size:  # same worker count: same random streams
+        if len(saved["rng"]) == self.world_size and self.cluster is None:  # same workers: same random streams
             torch.set_rng_state(saved["rng"][self.rank])
 
     def checkpoint_part(self) -> bytes:
@@ -168,7 +184,7 @@ class Replica:
         if self.plan.clip_grad_norm is not None:
             sq = torch.zeros(1, dtype=torch.float64)
             sq += shard_grad.double().pow(2).sum() if shard_grad.numel() else 0.0
-            total_norm = math.sqrt(self.reducer.all_reduce_sum(sq).item())
+            total_norm = math.sqrt(self.reducer.sum_in_node(sq).item())  # every node holds all shards
             coef = self.plan.clip_grad_norm / (total_norm + 1e-6)
             if coef < 1.0:
                 shard_grad.mul_(coef)
@@ -181,7 +197,7 @@ class Replica:
     def all_finite(self, loss: float, shard_grad: torch.Tensor) -> bool:
         """Whether the loss and the whole averaged gradient are finite; the same answer everywhere."""
         check = torch.tensor([shard_grad.sum().item() if shard_grad.numel() else 0.0, loss], dtype=torch.float64)
-        return bool(torch.isfinite(self.reducer.all_reduce_sum(check)).all())
+        return bool(torch.isfinite(self.reducer.sum_in_node(check)).all())
 
     def current_lr(self) -> float | None:
         if self.optimizer is None:
@@ -193,7 +209,7 @@ class Replica:
         """Exact loss and accuracy over the whole of ``dataset``, each worker taking a slice."""
         self.model.eval()
         refresh_buffers(self.buffer_links)
-        start, stop = slice_bounds(len(dataset), self.world_size, self.rank)
+        start, stop = slice_bounds(len(dataset), self.global_world_size, self.global_rank)
         per_item = getattr(self.job.loss_fn, "reduction", "mean") == "mean"
         totals = torch.zeros(4, dtype=torch.float64)  # loss sum, correct, samples, classified
         for lo in range(start, stop, self.plan.eval_batch_size):
@@ -206,7 +222,7 @@ class Replica:
             if outputs.dim() == 2 and not targets.is_floating_point():
                 totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
                 totals[3] += len(indices)
-        self.reducer.all_reduce_sum(totals)
+        self.reducer.sum_across_nodes(self.reducer.sum_in_node(totals))
         self.model.train()
         result = {"eval_loss": totals[0].item() / totals[2].item(), "eval_samples": int(totals[2].item())}
         if totals[3] > 0:
@@ -220,7 +236,7 @@ class Replica:
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
     """The worker's whole life: set up, train (and/or evaluate), return what it measured."""
     pin_and_set_threads(spec.cpus, spec.threads)
-    torch.manual_seed(spec.job.plan.seed * 1000 + spec.rank)
+    torch.manual_seed(spec.job.plan.seed * 1000 + spec.global_rank)
     replica = Replica(spec)
     try:
         if spec.job.plan.evaluate_only:
@@ -257,6 +273,8 @@ def train_step(replica: Replica, timer: PhaseTimer, step: int) -> tuple[float, b
     # Every worker has written its loss by now, and a peer writes this parity again only after
     # the next step's reduce: all read the same global loss.
     loss = job.losses[step % 2].sum().item()
+    if replica.cluster is not None:  # the node's share of it, so far
+        loss = replica.reducer.sum_across_nodes(torch.tensor([loss], dtype=torch.float64)).item()
     finite = replica.all_finite(loss, shard_grad)
     with timer("update"):
         if finite:

@@ -1,0 +1,33 @@
+"""One node of a multi-node job on the Trainer API, for test_multinode.py; run it under torchrun."""
+import argparse
+import functools
+import os
+
+import torch
+
+from helpers import Bomb, SmallConvNet, tiny_dataset
+from sn_trainer import Cluster, Trainer
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--kill-on-node", type=int, default=-1)
+    args = parser.parse_args()
+    cluster = Cluster.from_env(os.environ)
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    if cluster.node_rank == args.kill_on_node:
+        model = Bomb(model, os.path.join(args.out, "flag"), "kill", at_call=3)
+    Trainer(cluster=cluster, workers=args.workers, batch_size=12, max_steps=args.steps, seed=3, comm="shm").fit(
+        model, tiny_dataset(), optimizer=SGD)
+    if cluster.is_leader:
+        torch.save(model.state_dict(), os.path.join(args.out, "params.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Two "nodes" on this machine: two torchrun invocations meeting in a c10d rendezvous on 127.0.0.1."""
+import copy
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import SmallConvNet, processes_with_marker, tiny_dataset
+from multinode_job import SGD
+from sn_trainer import Cluster, Trainer
+from sn_trainer.engine.cluster import ClusterError
+
+pytestmark = pytest.mark.timeout(300)
+JOB = Path(__file__).with_name("multinode_job.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(tmp_path, marker, *job_args):
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    env = {**os.environ, "SN_TEST_MARKER": marker, "GLOO_SOCKET_IFNAME": "lo"}
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+                              "--max-restarts=0", str(JOB), "--out", str(tmp_path), *job_args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+
+
+@pytest.mark.parametrize("workers_per_node", [1, 2])
+def test_two_nodes_train_like_one_node_with_all_their_workers(tmp_path, workers_per_node):
+    marker = uuid.uuid4().hex
+    nodes = start_nodes(tmp_path, marker, "--workers", str(workers_per_node))
+    for node in nodes:
+        _, stderr = node.communicate(timeout=240)
+        assert node.returncode == 0, stderr[-3000:]
+    assert processes_with_marker(marker) == []
+    two_nodes = torch.load(tmp_path / "params.pt", weights_only=True)
+
+    torch.manual_seed(0)
+    one_node = SmallConvNet()
+    Trainer(workers=2 * workers_per_node, batch_size=12, max_steps=5, seed=3, comm="shm").fit(
+        one_node, tiny_dataset(), optimizer=SGD)
+    for name, value in one_node.state_dict().items():
+        torch.testing.assert_close(two_nodes[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dead_worker_on_one_node_stops_both_nodes(tmp_path):
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    nodes = start_nodes(tmp_path, marker, "--steps", "100000", "--kill-on-node", "1")
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert (tmp_path / "flag").exists()  # the worker did die
+    assert all(node.returncode != 0 for node in nodes), outputs
+    everything = "".join(out + err for out, err in outputs)
+    assert "killed by SIGKILL" in everything  # the node that lost its worker says which and how
+    assert time.monotonic() - started < 120
+    assert processes_with_marker(marker) == []
+
+
+def test_torchrun_environment_is_read_and_checked():
+    env = {"TORCHELASTIC_RUN_ID": "r1", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "3", "RANK": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "1",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "eth1"}
+    cluster = Cluster.from_env(env)
+    assert (cluster.node_rank, cluster.nodes, cluster.restart_count, cluster.interface) == (2, 3, 1, "eth1")
+    assert not cluster.is_leader
+    assert Cluster.from_env({}) is None
+    assert Cluster.from_env({**env, "WORLD_SIZE": "1", "RANK": "0"}) is None
+    with pytest.raises(ClusterError, match="--nproc-per-node=1"):
+        Cluster.from_env({**env, "LOCAL_WORLD_SIZE": "4"})
