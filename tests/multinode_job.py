@@ -1,6 +1,7 @@
 """One node of a multi-node job on the Trainer API, for test_multinode.py; run it under torchrun."""
 import argparse
 import functools
+import logging
 import os
 
 import torch
@@ -17,16 +18,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kill-on-node", type=int, default=-1)
+    parser.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
     cluster = Cluster.from_env(os.environ)
     torch.manual_seed(0)
     model = SmallConvNet()
-    if cluster.node_rank == args.kill_on_node:
-        model = Bomb(model, os.path.join(args.out, "flag"), "kill", at_call=3)
-    Trainer(cluster=cluster, workers=args.workers, batch_size=12, max_steps=args.steps, seed=3, comm="shm").fit(
-        model, tiny_dataset(), optimizer=SGD)
+    # Every node wraps the model alike (the checkpoint's names must fit all of them); the bomb
+    # goes off on one node only, and once: its flag file stays.
+    armed = cluster.node_rank == args.kill_on_node
+    model = Bomb(model, os.path.join(args.out, "flag"), "kill", at_call=3 if armed else 10**9)
+    Trainer(cluster=cluster, workers=args.workers, batch_size=12, max_steps=args.steps, seed=3, comm="shm",
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1).fit(model, tiny_dataset(), optimizer=SGD)
     if cluster.is_leader:
-        torch.save(model.state_dict(), os.path.join(args.out, "params.pt"))
+        state = {k.removeprefix("inner."): v for k, v in model.state_dict().items()}
+        torch.save(state, os.path.join(args.out, "params.pt"))
 
 
 if __name__ == "__main__":

@@ -26,14 +26,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(tmp_path, marker, *job_args):
+def start_nodes(tmp_path, marker, *job_args, max_restarts=0):
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     env = {**os.environ, "SN_TEST_MARKER": marker, "GLOO_SOCKET_IFNAME": "lo"}
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-                              "--max-restarts=0", str(JOB), "--out", str(tmp_path), *job_args],
+                              f"--max-restarts={max_restarts}", "--monitor-interval=0.5", str(JOB),
+                              "--out", str(tmp_path), *job_args],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
+
+
+def assert_like_one_node(tmp_path, workers):
+    two_nodes = torch.load(tmp_path / "params.pt", weights_only=True)
+    torch.manual_seed(0)
+    one_node = SmallConvNet()
+    Trainer(workers=workers, batch_size=12, max_steps=5, seed=3, comm="shm").fit(one_node, tiny_dataset(), optimizer=SGD)
+    for name, value in one_node.state_dict().items():
+        torch.testing.assert_close(two_nodes[name], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("workers_per_node", [1, 2])
@@ -44,14 +54,19 @@ def test_two_nodes_train_like_one_node_with_all_their_workers(tmp_path, workers_
         _, stderr = node.communicate(timeout=240)
         assert node.returncode == 0, stderr[-3000:]
     assert processes_with_marker(marker) == []
-    two_nodes = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_like_one_node(tmp_path, 2 * workers_per_node)
 
-    torch.manual_seed(0)
-    one_node = SmallConvNet()
-    Trainer(workers=2 * workers_per_node, batch_size=12, max_steps=5, seed=3, comm="shm").fit(
-        one_node, tiny_dataset(), optimizer=SGD)
-    for name, value in one_node.state_dict().items():
-        torch.testing.assert_close(two_nodes[name], value, rtol=1e-5, atol=1e-6)
+
+def test_torchrun_restarts_both_nodes_from_the_last_checkpoint(tmp_path):
+    marker = uuid.uuid4().hex
+    nodes = start_nodes(tmp_path, marker, "--kill-on-node", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        max_restarts=1)
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert (tmp_path / "flag").exists()  # a worker did die, once
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    assert "resuming from" in "".join(err for _, err in outputs)
+    assert processes_with_marker(marker) == []
+    assert_like_one_node(tmp_path, 2)
 
 
 def test_a_dead_worker_on_one_node_stops_both_nodes(tmp_path):
