@@ -14,13 +14,16 @@ TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=16", "b
 
 
 def run(args: list[str], cwd: Path) -> tuple[int, str]:
+    """Exit code, and the line that tells the user what went wrong (or the warning given)."""
     proc = subprocess.run([sys.executable, "-m", "sn_trainer", *args, f"hydra.run.dir={cwd / 'out'}"], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
-    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-    shown = next((l for l in reversed(lines) if l.startswith(("error:", "interrupted:"))), lines[-1] if lines else "")
-    if "WARNING" in proc.stderr and not shown.startswith("error:"):
-        shown = next(l for l in lines if "WARNING" in l)
-    return proc.returncode, shown
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    for wanted in (("error:", "interrupted:"), ("In 'config': Could not",)):
+        found = [line for line in lines if line.startswith(wanted)]
+        if found:
+            return proc.returncode, found[0]
+    warnings = [line.split("] - ", 1)[-1] for line in lines if "[WARNING]" in line]
+    return proc.returncode, ("warning: " + warnings[0]) if warnings else ""
 
 
 def main() -> None:

@@ -3,10 +3,12 @@
 # (.venv) holding sn_trainer and its test tools. Safe to run again; it skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+# Debian packages: Fashion-MNIST, and iproute2 (ip netns) for the test that puts two nodes
+# in network namespaces.
+if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v ip > /dev/null; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq dataset-fashion-mnist
+    $SUDO apt-get install -y -qq dataset-fashion-mnist iproute2
 fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

@@ -211,8 +211,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path} is corrupt or truncated (not a torch checkpoint); "
                           "resume from an earlier checkpoint") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
-        raise ConfigError(f"{path} is corrupt or truncated ({str(exc).splitlines()[0][:160]}); "
-                          "resume from an earlier checkpoint") from None
+        detail = str(exc).splitlines()[0].split(". ")[0][:120]  # torch's first sentence says what broke
+        raise ConfigError(f"{path} is corrupt or truncated ({detail}); resume from an earlier checkpoint") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ConfigError(f"{path} is not an sn_trainer checkpoint")
     if checkpoint.get("version", 0) > VERSION:

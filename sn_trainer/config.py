@@ -269,8 +269,9 @@ def _build(kind: type, values: dict[str, Any], prefix: str | None):
     unknown = sorted(set(values) - known)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: "
-                          f"{', '.join(where + k for k in sorted(known))}")
+        # checkpoint_* are set through the checkpoint.* section on the command line
+        shown = sorted({k if not k.startswith("checkpoint_") else "checkpoint.*" for k in known})
+        raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: {', '.join(where + k for k in shown)}")
     try:
         return kind(**values)
     except TypeError as exc:
