@@ -88,3 +88,28 @@ def test_installed_package_carries_its_configs(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import sn_trainer; print(sn_trainer.__file__)"], cwd=tmp_path,
                            capture_output=True, text=True, env={**os.environ, **env})
     assert where.stdout.startswith(str(target))
+
+
+def test_progress_bar_on_a_terminal_and_log_lines_on_a_pipe(tmp_path):
+    """On a terminal (tmux, with a real screen size) a bar; on a pipe, log lines instead."""
+    import shlex
+    import time
+
+    session, out = f"sn{uuid.uuid4().hex[:8]}", tmp_path / "tty"
+    command = shlex.join([sys.executable, "-m", "sn_trainer", *TINY, "workers=1", "batch_size=32", "max_steps=4",
+                          f"hydra.run.dir={out}"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "220", "-y", "50", f"{command}; sleep 60"],
+                   check=True, cwd=tmp_path, timeout=30)
+    try:
+        deadline, screen = time.monotonic() + 120, ""
+        while "test accuracy" not in screen:  # the run's last line: the pane is final then
+            assert time.monotonic() < deadline, f"the run in tmux did not finish:\n{screen}"
+            time.sleep(0.2)  # polling another process's screen; there is nothing to wait on instead
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True,
+                                    check=True, timeout=30).stdout
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=30)
+    assert "4/4" in screen and "loss=" in screen and "samples_s=" in screen, screen  # tqdm's bar and postfix
+    piped = sn_train([*TINY, "workers=1", "batch_size=32", "max_steps=4", f"hydra.run.dir={tmp_path / 'pipe'}"],
+                     cwd=tmp_path)
+    assert "4/4" not in piped.stdout + piped.stderr and "step 4 (epoch" in piped.stdout

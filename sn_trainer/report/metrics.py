@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ class ProgressLog:
         if show_bar if show_bar is not None else sys.stdout.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            # A terminal that reports no width (some ptys) would get an empty bar from tqdm.
+            width = shutil.get_terminal_size((100, 24)).columns
+            self._bar = tqdm(total=total_steps, unit="step", ncols=width)
         self._step = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
