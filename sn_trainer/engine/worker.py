@@ -180,7 +180,7 @@ class Replica:
             return self.model(inputs)
 
     def update(self, shard_grad: torch.Tensor) -> None:
-        """Clip by the global norm, step this shard's optimizer, clear the gradient buffer."""
+        """Clip by the global norm, then step this shard's optimizer (and schedule)."""
         if self.plan.clip_grad_norm is not None:
             sq = torch.zeros(1, dtype=torch.float64)
             sq += shard_grad.double().pow(2).sum() if shard_grad.numel() else 0.0
