@@ -62,8 +62,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
                  "(set GLOO_SOCKET_IFNAME to choose an interface)")
     trainer = Trainer(cluster=cluster, **trainer_settings)
     step_batch = cfg.trainer.batch_size * cfg.trainer.accumulate
-    steps_per_epoch = len(data.train) // step_batch
-    total_steps = trainer.config.max_steps or cfg.trainer.epochs * max(1, steps_per_epoch)
+    _, total_steps = trainer.steps(len(data.train))
     log.info("training %s: %d workers x %d threads, batch %d (%.1f per worker), %d steps, lr %.4g",
              cfg.model.name, trainer.workers, cfg.trainer.threads, cfg.trainer.batch_size,
              cfg.trainer.batch_size / trainer.workers, total_steps, effective_lr(cfg.optim, step_batch))
@@ -86,7 +85,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "threads": result.threads,
         "batch_size": result.batch_size,
         "steps": result.steps,
-        "measured_steps": result.steps - trainer.config.measure_after,
+        "measured_steps": result.measured_steps,
         "train_seconds": result.train_seconds,
         "phase_seconds": result.phase_seconds,
         "cpu_percent_per_core": result.cpu_percent_per_core,

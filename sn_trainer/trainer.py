@@ -40,6 +40,7 @@ class FitResult:
     samples_per_sec: float
     per_worker_batch: float
     steps: int
+    measured_steps: int  # the steps samples/s and phase seconds cover (after warm-up, or since a resume)
     final_loss: float
     workers: int
     threads: int
@@ -167,11 +168,7 @@ class Trainer:
         check_sample(train_set, "train_set")
         if eval_set is not None:
             check_sample(eval_set, "eval_set")
-        steps_per_epoch = len(train_set) // (cfg.batch_size * cfg.accumulate)
-        if steps_per_epoch == 0:
-            raise ConfigError(f"train_set has {len(train_set)} samples, fewer than one step's batch of "
-                              f"batch_size x accumulate = {cfg.batch_size * cfg.accumulate}")
-        total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+        steps_per_epoch, total_steps = self.steps(len(train_set))
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
                               "lower it or train longer")
@@ -233,6 +230,7 @@ class Trainer:
             samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
             per_worker_batch=cfg.batch_size / (self.workers * (self.cluster.nodes if self.cluster else 1)),
             steps=total_steps,
+            measured_steps=lead["measured_steps"],
             final_loss=lead["final_loss"],
             workers=self.workers,
             threads=cfg.threads,
@@ -248,6 +246,19 @@ class Trainer:
             restarts=restarts,
             last_checkpoint=str(collector.last_saved) if collector and collector.last_saved else None,
         )
+
+    def steps(self, num_samples: int) -> tuple[int, int]:
+        """Optimizer steps per epoch and in all, for a training set of ``num_samples``.
+
+        Raises:
+            ConfigError: the set is smaller than one step's batch.
+        """
+        cfg = self.config
+        steps_per_epoch = num_samples // (cfg.batch_size * cfg.accumulate)
+        if steps_per_epoch == 0:
+            raise ConfigError(f"train_set has {num_samples} samples, fewer than one step's batch of "
+                              f"batch_size x accumulate = {cfg.batch_size * cfg.accumulate}")
+        return steps_per_epoch, cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
 
     def _agree_with_other_nodes(self) -> None:
         """Every node must run the same number of workers: the shards and the batch split depend on it."""
