@@ -36,6 +36,7 @@ from sn_trainer.data.sampler import slice_bounds
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import bf16_supported, describe_machine
+from sn_trainer.report.memory import pss_bytes
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "resnet18": (3, 64, 64)}
 VARIANTS = ("plain", "ddp", "sn", "ideal")
@@ -209,7 +210,7 @@ class PssSampler(threading.Thread):
             for child in me.children(recursive=True):
                 try:
                     if "resource_tracker" not in " ".join(child.cmdline()):
-                        total += child.memory_full_info().pss
+                        total += pss_bytes(child.pid)
                 except psutil.Error:
                     continue
             self.peak = max(self.peak, total)

@@ -49,6 +49,14 @@ class ShmBuffers:
                    scratch=torch.zeros(world_size, 8, dtype=torch.float64).share_memory_())
 
 
+def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.ProcessGroupGloo:
+    """A gloo group on one given device, used directly (never installed as the global default)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [device]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class LocalReducer:
     """One worker: its gradient already is the sum, and there is nobody to wait for."""
 
@@ -90,10 +98,8 @@ class GlooReducer:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown reduce mode {mode!r}; choose all_reduce or reduce_scatter")
         store = dist.FileStore(store_path, world_size)
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        options._timeout = datetime.timedelta(seconds=timeout_s)
-        self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        self.group = gloo_group(store, rank, world_size,
+                                dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"), timeout_s)
         self.shard, self.mode = shard, mode
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
         self._recv = torch.empty(shard.padded_size, dtype=dtype)
@@ -176,10 +182,7 @@ class CrossNodeReducer:
     def __init__(self, local, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0):
         self.local = local
         self.grad_flat = local.grad_flat
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [device]
-        options._timeout = datetime.timedelta(seconds=timeout_s)
-        self.group = dist.ProcessGroupGloo(store, node_rank, nodes, options)
+        self.group = gloo_group(store, node_rank, nodes, device, timeout_s)
 
     def reduce(self) -> torch.Tensor:
         shard_grad = self.local.reduce()
