@@ -318,7 +318,7 @@ class Trainer:
                     share_dataset(dataset)
             job = Job(model=model, flat=shared.flat, numel=shared.numel, train_set=train_set, eval_set=eval_set,
                       optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, plan=plan,
-                      losses=torch.zeros(2, self.workers, dtype=torch.float64).share_memory_(),
+                      losses=torch.zeros(2, self.workers, 2, dtype=torch.float64).share_memory_(),
                       shm=(ShmBuffers.allocate(self.workers, shared.flat.numel(), shared.flat.dtype)
                            if plan.comm in ("shm", "auto") and self.workers > 1 else None),
                       control=self._control, resume=resume)

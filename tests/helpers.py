@@ -133,6 +133,33 @@ class NaNAt(nn.Module):
         return out * float("nan") if self.calls == self.at_call else out
 
 
+class NaNGradAt(nn.Module):
+    """Wraps a model; at its ``at_call``-th forward, worker ``rank`` alone gets a NaN gradient.
+
+    Every loss stays finite: only that worker's backward pass goes wrong.
+    """
+
+    def __init__(self, inner: nn.Module, at_call: int, rank: int):
+        super().__init__()
+        self.inner, self.at_call, self.rank, self.calls = inner, at_call, rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.inner(x)
+        my_rank = torch.initial_seed() % 1000  # each worker seeds torch with seed * 1000 + its rank
+        return _NaNGradient.apply(out) if self.calls == self.at_call and my_rank == self.rank else out
+
+
+class _NaNGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
 def processes_with_marker(marker: str) -> list[psutil.Process]:
     """Processes whose environment carries SN_TEST_MARKER=marker (a run and all it started)."""
     found = []

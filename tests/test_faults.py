@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from helpers import Bomb, NaNAt, SmallConvNet, processes_with_marker, tiny_dataset
+from helpers import Bomb, NaNAt, NaNGradAt, SmallConvNet, processes_with_marker, tiny_dataset
 from sn_trainer import ConfigError, Trainer, TrainingDiverged
 from sn_trainer import checkpoint
 from sn_trainer.checkpoint import CheckpointDir
@@ -108,6 +108,14 @@ def test_non_finite_loss_can_be_skipped_and_counted(tmp_path, no_leaks):
     model = fresh(lambda m: NaNAt(m, at_call=5))
     result = fit(model, tmp_path, on_nan="skip")
     assert result.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_a_non_finite_gradient_in_one_worker_stops_them_all(tmp_path, comm, no_leaks):
+    model = fresh(lambda m: NaNGradAt(m, at_call=5, rank=1))
+    with pytest.raises(TrainingDiverged, match="non-finite at step 5"):
+        fit(model, tmp_path, comm=comm)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

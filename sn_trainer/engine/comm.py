@@ -40,13 +40,13 @@ class ShmBuffers:
 
     grad_rows: torch.Tensor  # [world, padded numel]: row r is worker r's gradient buffer
     arrivals: torch.Tensor  # [world] int64: barrier generation each worker has reached
-    scratch: torch.Tensor  # [world, 8] float64: small all-reduces (norms, eval totals)
+    scratch: torch.Tensor  # [2, world, 8] float64: small all-reduces (norms, eval totals), double-buffered
 
     @classmethod
     def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype) -> "ShmBuffers":
         return cls(grad_rows=torch.zeros(world_size, padded_numel, dtype=dtype).share_memory_(),
                    arrivals=torch.zeros(world_size, dtype=torch.int64).share_memory_(),
-                   scratch=torch.zeros(world_size, 8, dtype=torch.float64).share_memory_())
+                   scratch=torch.zeros(2, world_size, 8, dtype=torch.float64).share_memory_())
 
 
 def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.ProcessGroupGloo:
@@ -139,6 +139,7 @@ class ShmReducer:
         self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us
         self._scratch = buffers.scratch
         self._generation = 0
+        self._sums = 0
 
     def reduce(self) -> torch.Tensor:
         self.barrier()  # every row is complete
@@ -146,11 +147,14 @@ class ShmReducer:
         return self._recv
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Calls alternate between two scratch slots: a peer can write this slot again only two
+        # calls later, after the next call's barrier, which waits for this worker's read.
         n = tensor.numel()
-        self._scratch[self.rank, :n] = tensor.reshape(-1)
+        slot = self._scratch[self._sums % 2]
+        self._sums += 1
+        slot[self.rank, :n] = tensor.reshape(-1)
         self.barrier()
-        tensor.copy_(self._scratch[:, :n].sum(dim=0).reshape(tensor.shape))
-        self.barrier()  # nobody overwrites scratch before all have read it
+        tensor.copy_(slot[:, :n].sum(dim=0).reshape(tensor.shape))
         return tensor
 
     def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,9 @@ class Job:
     scheduler: Callable[[torch.optim.Optimizer], Any] | None
     loss_fn: Callable[..., torch.Tensor]
     plan: StepPlan
-    losses: torch.Tensor  # [2, world]: each worker's weighted loss, double-buffered by step parity
+    # [2, world, 2] float64, double-buffered by step parity: each worker's weighted loss and the
+    # sum of its own gradient (non-finite if any element is), written before the reduce.
+    losses: torch.Tensor
     control: torch.Tensor | None = None  # int64 [2]: STOP_REQUESTED (set by the launcher), STOP_AT
     shm: ShmBuffers | None = None  # for comm=shm or auto
     resume: dict[str, Any] | None = None  # optimizer, scheduler and RNG states of a checkpoint
@@ -194,10 +196,27 @@ class Replica:
             if self.scheduler is not None:
                 self.scheduler.step()
 
-    def all_finite(self, loss: float, shard_grad: torch.Tensor) -> bool:
-        """Whether the loss and the whole averaged gradient are finite; the same answer everywhere."""
-        check = torch.tensor([shard_grad.sum().item() if shard_grad.numel() else 0.0, loss], dtype=torch.float64)
-        return bool(torch.isfinite(self.reducer.sum_in_node(check)).all())
+    def publish(self, step: int, weighted_loss: float) -> None:
+        """Put this worker's loss and gradient check where its peers read them after the reduce."""
+        # One sum over the local gradient: inf or nan anywhere in it makes the sum non-finite
+        # (as does a sum beyond float32's range, which is divergence too).
+        self.job.losses[step % 2, self.rank] = torch.tensor([weighted_loss, self.grad_flat.sum().item()])
+
+    def outcome(self, step: int) -> tuple[float, bool]:
+        """The global batch's mean loss, and whether it and every worker's gradient are finite.
+
+        Read after the reduce: every worker of the node has published by then, and a peer
+        writes this parity again only after the next step's reduce, so all read the same.
+        Checking the workers' own gradients here, rather than the summed shards afterwards,
+        spares the step a round of synchronisation.
+        """
+        published = self.job.losses[step % 2]
+        totals = torch.tensor([published[:, 0].sum().item(), float((~torch.isfinite(published)).sum())],
+                              dtype=torch.float64)
+        if self.cluster is not None:  # add the other nodes' losses and non-finite counts
+            totals = self.reducer.sum_across_nodes(totals)
+        loss, non_finite = totals.tolist()
+        return loss, non_finite == 0 and math.isfinite(loss)
 
     def current_lr(self) -> float | None:
         if self.optimizer is None:
@@ -267,15 +286,10 @@ def train_step(replica: Replica, timer: PhaseTimer, step: int) -> tuple[float, b
         with timer("backward"):
             micro_loss.backward()
         weighted_loss += micro_loss.item()
-    job.losses[step % 2, replica.rank] = weighted_loss
     with timer("reduce"):
+        replica.publish(step, weighted_loss)
         shard_grad = replica.reducer.reduce()
-    # Every worker has written its loss by now, and a peer writes this parity again only after
-    # the next step's reduce: all read the same global loss.
-    loss = job.losses[step % 2].sum().item()
-    if replica.cluster is not None:  # the node's share of it, so far
-        loss = replica.reducer.sum_across_nodes(torch.tensor([loss], dtype=torch.float64)).item()
-    finite = replica.all_finite(loss, shard_grad)
+    loss, finite = replica.outcome(step)
     with timer("update"):
         if finite:
             replica.update(shard_grad)
