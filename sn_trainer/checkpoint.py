@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,14 @@ def worker_part(rank: int, shard: tuple[int, int], optimizer, scheduler, model: 
     return to_bytes(part)
 
 
-def assemble(parts: list[dict[str, Any]], step: int, numel: int, config: dict[str, Any] | None) -> dict[str, Any]:
-    """One checkpoint from every worker's part: shard states joined into full-length tensors."""
+def assemble(parts: list[dict[str, Any]], step: int, numel: int, config: dict[str, Any] | None,
+             to_contiguous: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, Any]:
+    """One checkpoint from every worker's part: shard states joined into full-length tensors.
+
+    ``to_contiguous`` puts a joined tensor from the flat buffer's order into the parameters'
+    contiguous order (engine.shared.FlatOrder), so that the saved state does not depend on
+    the layout the run used.
+    """
     parts = sorted(parts, key=lambda p: p["rank"])
     per_element: dict[str, list[torch.Tensor]] = {}
     scalars: dict[str, Any] = {}
@@ -66,7 +73,7 @@ def assemble(parts: list[dict[str, Any]], step: int, numel: int, config: dict[st
                 per_element.setdefault(key, []).append(value)
             else:
                 scalars.setdefault(key, value)
-    optimizer = {"per_element": {k: torch.cat(v) for k, v in per_element.items()}, "scalars": scalars,
+    optimizer = {"per_element": {k: to_contiguous(torch.cat(v)) for k, v in per_element.items()}, "scalars": scalars,
                  "param_group": param_group}
     for key, full in optimizer["per_element"].items():
         if full.numel() != numel:
@@ -83,10 +90,14 @@ def assemble(parts: list[dict[str, Any]], step: int, numel: int, config: dict[st
     }
 
 
-def shard_optimizer_state(checkpoint: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """The optimizer state_dict of one shard, cut from a checkpoint's full-length state."""
+def shard_optimizer_state(checkpoint: dict[str, Any], start: int, stop: int,
+                          to_flat: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, Any]:
+    """The optimizer state_dict of one shard, cut from a checkpoint's full-length state.
+
+    ``to_flat`` puts the saved (contiguous) order into the flat buffer's order first.
+    """
     opt = checkpoint["optimizer"]
-    state = {key: value[start:stop].clone() for key, value in opt["per_element"].items()}
+    state = {key: to_flat(value)[start:stop].clone() for key, value in opt["per_element"].items()}
     state.update({key: (value.clone() if isinstance(value, torch.Tensor) else value)
                   for key, value in opt["scalars"].items()})
     return {"state": {0: state} if state else {}, "param_groups": [{**opt["param_group"], "params": [0]}]}
@@ -241,8 +252,10 @@ def check_model(checkpoint: dict[str, Any], model: nn.Module, path: str | os.Pat
 class Collector:
     """In the launcher: gathers the workers' parts of each checkpoint and writes it when complete."""
 
-    def __init__(self, world_size: int, numel: int, directory: CheckpointDir, config: dict[str, Any] | None):
+    def __init__(self, world_size: int, numel: int, directory: CheckpointDir, config: dict[str, Any] | None,
+                 to_contiguous: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.world_size, self.numel, self.directory, self.config = world_size, numel, directory, config
+        self.to_contiguous = to_contiguous
         self._parts: dict[int, list[dict[str, Any]]] = {}
         self.last_saved: Path | None = None
 
@@ -252,5 +265,5 @@ class Collector:
         if len(parts) < self.world_size:
             return None
         del self._parts[step]
-        self.last_saved = self.directory.save(assemble(parts, step, self.numel, self.config))
+        self.last_saved = self.directory.save(assemble(parts, step, self.numel, self.config, self.to_contiguous))
         return self.last_saved

@@ -84,6 +84,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "workers": result.workers,
         "threads": result.threads,
         "batch_size": result.batch_size,
+        "channels_last": result.channels_last,
         "steps": result.steps,
         "measured_steps": result.measured_steps,
         "train_seconds": result.train_seconds,

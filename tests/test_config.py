@@ -26,6 +26,7 @@ from sn_trainer.config import OptimConfig
     ({"clip_grad_norm": 0}, "clip_grad_norm must be > 0 or null"),
     ({"model": {"name": "lenet", "hidden": [10]}}, "model.hidden applies to model=mlp only"),
     ({"dataset": {"test_fraction": 1.5}}, r"dataset.test_fraction must be in \(0, 1\)"),
+    ({"channels_last": "yes"}, "channels_last must be true, false or auto, got 'yes'"),
 ])
 def test_config_errors(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -35,6 +36,17 @@ def test_config_errors(raw, message):
 def test_defaults_build():
     cfg = RunConfig.from_dict({"model": {"name": "lenet"}, "dataset": {"name": "fashion_mnist"}})
     assert cfg.trainer.workers == "auto" and cfg.optim.name == "sgd"
+
+
+def test_channels_last_auto_follows_the_model():
+    from sn_trainer import Trainer
+    from sn_trainer.models import build_model
+
+    trainer = Trainer(workers=1, batch_size=4)
+    assert trainer._plan(build_model("lenet", (1, 28, 28), 10), 1, 1).channels_last is True
+    assert trainer._plan(build_model("mlp", (1, 28, 28), 10), 1, 1).channels_last is False
+    conv = build_model("lenet", (1, 28, 28), 10)
+    assert Trainer(workers=1, batch_size=4, channels_last=False)._plan(conv, 1, 1).channels_last is False
 
 
 def test_linear_lr_scaling_and_schedules():

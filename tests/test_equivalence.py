@@ -25,6 +25,7 @@ def fit_both(workers, batch_size, optimizer, steps=5, trainer_batch=None, accumu
     trainer = Trainer(workers=workers, threads=1, batch_size=trainer_batch or batch_size, max_steps=steps,
                       seed=3, accumulate=accumulate, clip_grad_norm=kwargs.get("clip_grad_norm"),
                       comm=kwargs.get("comm", "auto"), reduce=kwargs.get("reduce", "all_reduce"),
+                      bucket_kb=kwargs.get("bucket_kb", 256),
                       channels_last=kwargs.get("channels_last", False), precision=kwargs.get("precision", "fp32"))
     result = trainer.fit(model, tiny_dataset(), optimizer=optimizer, scheduler=kwargs.get("scheduler"))
     return model, reference, result
@@ -53,6 +54,14 @@ def test_accumulate_two_half_batches_equals_one_batch():
 @pytest.mark.parametrize("comm, reduce", [("shm", "all_reduce"), ("gloo", "all_reduce"), ("gloo", "reduce_scatter")])
 def test_every_reducer_matches(comm, reduce):
     model, reference, _ = fit_both(3, 7, OPTIMIZERS["adamw"], comm=comm, reduce=reduce)
+    assert_same_parameters(model, reference)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gloo_buckets_sent_during_the_backward_pass_match(accumulate):
+    # 1 KiB buckets split SmallConvNet in two: the fc layer leaves while the conv runs backward.
+    model, reference, _ = fit_both(3, 12, OPTIMIZERS["sgd"], trainer_batch=12 // accumulate, accumulate=accumulate,
+                                   comm="gloo", bucket_kb=1)
     assert_same_parameters(model, reference)
 
 

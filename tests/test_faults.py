@@ -77,6 +77,21 @@ def test_resume_with_another_worker_count_is_exact_but_for_rounding(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_resume_with_the_other_memory_layout_is_exact_but_for_rounding(tmp_path):
+    def two_convs():  # 3 input channels to the second: channels_last really reorders its weight
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                   torch.nn.Linear(64, 3))
+
+    whole = two_convs()
+    fit(whole, tmp_path / "whole", channels_last=False)
+    fit(two_convs(), tmp_path / "split", steps=6, channels_last=True)
+    resumed = two_convs()
+    fit(resumed, tmp_path / "split", resume="latest", channels_last=False)
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_sigkilled_worker_restarts_from_checkpoint_bit_exactly(tmp_path, no_leaks):
     reference = fresh(lambda m: Bomb(m, str(tmp_path / "never"), "kill", at_call=10**9))
     fit(reference, tmp_path / "reference")

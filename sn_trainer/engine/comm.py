@@ -1,12 +1,15 @@
 """Collectives between the workers of one node: summing gradients into shards, and barriers.
 
 Every reducer owns the flat gradient buffer its worker's backward pass writes into
-(``grad_flat``), turns the workers' buffers into this worker's summed shard (``reduce``), sums
-small tensors over the node's workers (``sum_in_node``) and over the nodes (``sum_across_nodes``),
-and synchronises (``barrier``). Three kinds inside a node, and one wrapper across nodes:
+(``grad_flat``), may follow the backward pass to start early (``watch``), sums this worker's own
+gradient before anything else is added to it (``local_sum``), turns the workers' buffers into
+this worker's summed shard (``reduce``), sums small tensors over the node's workers
+(``sum_in_node``) and over the nodes (``sum_across_nodes``), and synchronises (``barrier``).
+Three kinds inside a node, and one wrapper across nodes:
 
 - ``LocalReducer``: one worker, nothing to do;
-- ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter);
+- ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter); with
+  all_reduce, buckets of gradients are sent while the backward pass computes the rest;
 - ``ShmReducer``: the workers' buffers are rows of one shared-memory tensor; each worker sums
   its own column slice of them, and barriers spin on per-worker counters in shared memory, so
   the hot path makes no system call and moves no byte through a socket;
@@ -66,6 +69,12 @@ class LocalReducer:
         self.shard = shard
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
 
+    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+        pass
+
+    def local_sum(self) -> float:
+        return self.grad_flat.sum().item()
+
     def reduce(self) -> torch.Tensor:
         return self.grad_flat[self.shard.start : self.shard.stop]
 
@@ -103,10 +112,37 @@ class GlooReducer:
         self.shard, self.mode = shard, mode
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
         self._recv = torch.empty(shard.padded_size, dtype=dtype)
+        self._buckets: list[_Bucket] = []
+
+    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+        """All-reduce each bucket of gradients as soon as the backward pass has filled it.
+
+        ``params`` are the parameters whose ``.grad`` are views of ``grad_flat``, in flat order;
+        ``backward_passes`` is how many backward passes fill them per step (accumulate); a
+        bucket closes at ``bucket_bytes`` or more (0: one all-reduce after the backward pass).
+        """
+        if self.mode != "all_reduce" or bucket_bytes <= 0:
+            return
+        self._buckets = _buckets_in_backward_order(params, self.grad_flat, backward_passes, bucket_bytes, self.group)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(bucket.on_gradient)
+
+    def local_sum(self) -> float:
+        """The sum of this worker's own gradient: of buckets already sent, as it was before sending."""
+        if not self._buckets:
+            return self.grad_flat.sum().item()
+        return sum(bucket.local_sum() for bucket in self._buckets)
 
     def reduce(self) -> torch.Tensor:
         if self.mode == "all_reduce":
-            self.group.allreduce([self.grad_flat]).wait()
+            if self._buckets:
+                for bucket in self._buckets:
+                    bucket.send()  # those the backward pass has not sent: unused parameters, the held one
+                for bucket in self._buckets:
+                    bucket.finish()
+            else:
+                self.group.allreduce([self.grad_flat]).wait()
             return self.grad_flat[self.shard.start : self.shard.stop]
         self.group._reduce_scatter_base(self._recv, self.grad_flat).wait()
         return self._recv[: self.shard.size]
@@ -125,6 +161,58 @@ class GlooReducer:
         self.group.shutdown()
 
 
+class _Bucket:
+    """A contiguous run of ``grad_flat`` (whole parameters), all-reduced in one collective."""
+
+    def __init__(self, params: list[torch.Tensor], grad: torch.Tensor, expected: int, group, held: bool):
+        self.params, self.grad, self.expected, self.group = params, grad, expected, group
+        # The held bucket is sent only from reduce(): every worker then publishes its loss and
+        # gradient check before its last collective starts, so no peer can finish the step's
+        # reduce before they are written.
+        self.held = held
+        self._ready, self._work, self._sum = 0, None, None
+
+    @property
+    def sent(self) -> bool:
+        return self._work is not None
+
+    def on_gradient(self, _param: torch.Tensor) -> None:
+        self._ready += 1
+        if self._ready == self.expected and not self.held:
+            self.send()
+
+    def local_sum(self) -> float:
+        return self._sum if self.sent else self.grad.sum().item()
+
+    def send(self) -> None:
+        if not self.sent:
+            self._sum = self.grad.sum().item()
+            self._work = self.group.allreduce([self.grad])
+
+    def finish(self) -> None:
+        self._work.wait()
+        self._ready, self._work, self._sum = 0, None, None
+
+
+def _buckets_in_backward_order(params, grad_flat: torch.Tensor, backward_passes: int, bucket_bytes: int,
+                               group) -> list[_Bucket]:
+    """Group parameters from the last to the first (the order backward fills them) into buckets."""
+    spans, offset = [], 0
+    for p in params:
+        spans.append((p, offset, offset + p.numel()))
+        offset += p.numel()
+    buckets, current, nbytes = [], [], 0
+    for span in reversed(spans):
+        current.append(span)
+        nbytes += span[0].numel() * grad_flat.element_size()
+        if nbytes >= bucket_bytes or span is spans[0]:
+            start, stop = current[-1][1], current[0][2]
+            buckets.append(_Bucket([p for p, _, _ in current], grad_flat[start:stop],
+                                   backward_passes * len(current), group, held=span is spans[0]))
+            current, nbytes = [], 0
+    return buckets
+
+
 class ShmReducer:
     """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
 
@@ -140,6 +228,12 @@ class ShmReducer:
         self._scratch = buffers.scratch
         self._generation = 0
         self._sums = 0
+
+    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+        pass  # summing waits for every row: nothing can start before the backward pass ends
+
+    def local_sum(self) -> float:
+        return self.grad_flat.sum().item()
 
     def reduce(self) -> torch.Tensor:
         self.barrier()  # every row is complete
@@ -187,6 +281,12 @@ class CrossNodeReducer:
         self.local = local
         self.grad_flat = local.grad_flat
         self.group = gloo_group(store, node_rank, nodes, device, timeout_s)
+
+    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+        self.local.watch(params, backward_passes, bucket_bytes)
+
+    def local_sum(self) -> float:
+        return self.local.local_sum()
 
     def reduce(self) -> torch.Tensor:
         shard_grad = self.local.reduce()

@@ -50,6 +50,38 @@ def param_view(flat: torch.Tensor, offset: int, shape: torch.Size, channels_last
     return flat[offset : offset + n].view(shape)
 
 
+class FlatOrder:
+    """Converts full-length per-element tensors (optimizer state) between the flat buffer's
+    order and the contiguous order of every parameter, which checkpoints use.
+
+    The two differ only for 4-d weights under channels_last; keeping checkpoints in contiguous
+    order lets a run resume with the other layout.
+    """
+
+    def __init__(self, model: nn.Module, channels_last: bool):
+        self.shapes = [p.shape for p in trainable_parameters(model)]
+        self.channels_last = channels_last
+
+    def to_contiguous(self, flat_ordered: torch.Tensor) -> torch.Tensor:
+        return self._convert(flat_ordered, to_contiguous=True)
+
+    def to_flat(self, contiguous: torch.Tensor) -> torch.Tensor:
+        return self._convert(contiguous, to_contiguous=False)
+
+    def _convert(self, values: torch.Tensor, to_contiguous: bool) -> torch.Tensor:
+        if not self.channels_last or not any(len(shape) == 4 for shape in self.shapes):
+            return values
+        out, offset = torch.empty_like(values), 0
+        for shape in self.shapes:
+            n = shape.numel()
+            if to_contiguous:
+                out[offset : offset + n].view(shape).copy_(param_view(values, offset, shape, True))
+            else:
+                param_view(out, offset, shape, True).copy_(values[offset : offset + n].view(shape))
+            offset += n
+        return out
+
+
 def bind_parameters(model: nn.Module, flat: torch.Tensor, channels_last: bool, copy_values: bool = False) -> None:
     """Make every trainable parameter a view of ``flat``, in model order.
 

@@ -20,8 +20,8 @@ from ..checkpoint import shard_optimizer_state, worker_part
 from ..report.memory import pss_bytes
 from .cluster import Cluster
 from .comm import CrossNodeReducer, ShmBuffers, make_reducer
-from .shared import (attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
-                     shard_parameter)
+from .shared import (FlatOrder, attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
+                     shard_parameter, trainable_parameters)
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
 STOP_REQUESTED, STOP_AT = 0, 1  # slots of Job.control
@@ -39,6 +39,7 @@ class StepPlan:
     clip_grad_norm: float | None
     comm: str  # auto, shm or gloo
     reduce: str  # gloo's collective: all_reduce or reduce_scatter
+    bucket_kb: int  # gloo all_reduce: sent in buckets of this size during the backward pass; 0: after it
     precision: str  # fp32 or bf16 (autocast; parameters and gradients stay fp32)
     channels_last: bool
     log_every: int
@@ -137,6 +138,7 @@ class Replica:
         self.global_rank, self.global_world_size = spec.global_rank, spec.global_world_size
         self.grad_flat = self.reducer.grad_flat
         attach_gradients(self.model, self.grad_flat, plan.channels_last)
+        self.reducer.watch(trainable_parameters(self.model), plan.accumulate, plan.bucket_kb * 1024)
         self.shard_param = shard_parameter(job.flat, self.shard)
         self.optimizer = None
         self.scheduler = None
@@ -158,7 +160,8 @@ class Replica:
     def restore(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint: this shard's optimizer state, the schedule, the RNG."""
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(shard_optimizer_state(saved, self.shard.start, self.shard.stop))
+            order = FlatOrder(self.model, self.plan.channels_last)
+            self.optimizer.load_state_dict(shard_optimizer_state(saved, self.shard.start, self.shard.stop, order.to_flat))
             if self.scheduler is not None and saved["scheduler"] is not None:
                 self.scheduler.load_state_dict(saved["scheduler"])
         if len(saved["rng"]) == self.world_size and self.cluster is None:  # same workers: same random streams
@@ -200,7 +203,7 @@ class Replica:
         """Put this worker's loss and gradient check where its peers read them after the reduce."""
         # One sum over the local gradient: inf or nan anywhere in it makes the sum non-finite
         # (as does a sum beyond float32's range, which is divergence too).
-        self.job.losses[step % 2, self.rank] = torch.tensor([weighted_loss, self.grad_flat.sum().item()])
+        self.job.losses[step % 2, self.rank] = torch.tensor([weighted_loss, self.reducer.local_sum()])
 
     def outcome(self, step: int) -> tuple[float, bool]:
         """The global batch's mean loss, and whether it and every worker's gradient are finite.
