@@ -1,4 +1,4 @@
-"""The gloo reducer's buckets: sent while the backward pass runs, summed exactly, reset each step."""
+"""The gloo reducer's buckets: sent while the backward pass runs, in one fixed order, exact sums."""
 import pytest
 import torch
 from torch import nn
@@ -9,38 +9,59 @@ from sn_trainer.engine.shared import attach_gradients, shard_bounds
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_buckets_leave_during_the_backward_pass_and_unused_ones_at_the_reduce(tmp_path):
+def three_layers():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
-    unused = nn.Linear(32, 32)  # never in the graph: its bucket can only leave from reduce()
-    params = [*model.parameters(), *unused.parameters()]
-    numel = sum(p.numel() for p in params)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def watched(tmp_path, holder: nn.Module) -> GlooReducer:
+    """A reducer in a world of one (the sum is the gradient itself), one layer per bucket."""
+    numel = sum(p.numel() for p in holder.parameters())
     reducer = GlooReducer(str(tmp_path / "store"), 0, 1, shard_bounds(numel, 1)[0], numel, torch.float32)
+    attach_gradients(holder, reducer.grad_flat, channels_last=False)
+    reducer.watch(list(holder.parameters()), backward_passes=1, bucket_bytes=256)
+    return reducer
+
+
+def step_and_check(model, reducer, sent_when_backward_ends):
+    """One step: which buckets had left when the first layer's weight got its gradient, and sums."""
+    seen = []
+    hook = model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append([b.sent for b in reducer._buckets]))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    for _ in range(2):  # a second step: the buckets start over
+        reducer.grad_flat.zero_()
+        model(x).square().sum().backward()
+        assert seen.pop() == sent_when_backward_ends
+        local = reducer.local_sum()
+        reducer.reduce()
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, e)
+        assert local == pytest.approx(sum(e.sum().item() for e in expected), rel=1e-5)
+        assert not any(b.sent for b in reducer._buckets)
+    hook.remove()
+
+
+def test_buckets_leave_during_the_backward_pass_but_the_last(tmp_path):
+    model = three_layers()
+    reducer = watched(tmp_path, model)
     try:
-        holder = nn.ModuleList([model, unused])
-        attach_gradients(holder, reducer.grad_flat, channels_last=False)
-        reducer.watch(params, backward_passes=1, bucket_bytes=256)  # one layer per bucket
-        buckets = reducer._buckets
-        assert len(buckets) == 4
-        # The first layer's weight is the last gradient the backward pass computes: when it
-        # arrives, the buckets of the later layers have left already; the first layer's (held
-        # for reduce()) and the unused layer's (never filled) have not.
-        seen = []
-        model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append([b.sent for b in buckets]))
-        x = torch.randn(8, 32)
-        expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
-        for _ in range(2):  # a second step: buckets start over
-            reducer.grad_flat.zero_()
-            model(x).square().sum().backward()
-            sent = seen.pop()
-            unused_bucket = [b for b in buckets if any(p is unused.weight for p in b.params)][0]
-            assert sent == [b is not unused_bucket and b is not buckets[-1] for b in buckets]  # all but those two
-            local = reducer.local_sum()
-            reducer.reduce()  # a world of one: the sum is the gradient itself
-            got = [p.grad for p in model.parameters()]
-            for g, e in zip(got, expected):
-                torch.testing.assert_close(g, e)
-            assert local == pytest.approx(sum(e.sum().item() for e in expected), rel=1e-5)
-            assert not any(b.sent for b in buckets)
+        assert len(reducer._buckets) == 3  # last layer, middle layer, first layer
+        # The first layer's weight is the last gradient backward computes: by then the later
+        # layers' buckets have left; the first layer's is held for reduce().
+        step_and_check(model, reducer, [True, True, False])
+    finally:
+        reducer.close()
+
+
+def test_a_bucket_that_never_fills_holds_back_those_after_it_and_sums_stay_exact(tmp_path):
+    model, unused = three_layers(), nn.Linear(32, 32)  # unused: never in the graph, its bucket never fills
+    reducer = watched(tmp_path, nn.ModuleList([model, unused]))
+    try:
+        assert len(reducer._buckets) == 4  # the unused layer's comes first: its parameters are last
+        # Buckets leave in one order in every worker (gloo pairs collectives by order), so the
+        # unused layer's keeps the others back until reduce() sends them all.
+        step_and_check(model, reducer, [False, False, False, False])
     finally:
         reducer.close()

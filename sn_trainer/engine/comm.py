@@ -19,6 +19,7 @@ Three kinds inside a node, and one wrapper across nodes:
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import time
@@ -113,6 +114,7 @@ class GlooReducer:
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
         self._recv = torch.empty(shard.padded_size, dtype=dtype)
         self._buckets: list[_Bucket] = []
+        self._next_bucket = 0
 
     def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
         """All-reduce each bucket of gradients as soon as the backward pass has filled it.
@@ -126,7 +128,18 @@ class GlooReducer:
         self._buckets = _buckets_in_backward_order(params, self.grad_flat, backward_passes, bucket_bytes, self.group)
         for bucket in self._buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(bucket.on_gradient)
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, bucket))
+
+    def _on_gradient(self, bucket: "_Bucket", _param: torch.Tensor) -> None:
+        bucket.ready += 1
+        # gloo pairs the workers' collectives by their order, so buckets leave in one fixed
+        # order everywhere: each as soon as it and all before it are complete. The last one
+        # (the first parameters) is held for reduce(): every worker publishes its loss and
+        # gradient check before its last collective starts, so no peer can finish the step's
+        # reduce before they are written.
+        while self._next_bucket < len(self._buckets) - 1 and self._buckets[self._next_bucket].complete:
+            self._buckets[self._next_bucket].send()
+            self._next_bucket += 1
 
     def local_sum(self) -> float:
         """The sum of this worker's own gradient: of buckets already sent, as it was before sending."""
@@ -138,9 +151,10 @@ class GlooReducer:
         if self.mode == "all_reduce":
             if self._buckets:
                 for bucket in self._buckets:
-                    bucket.send()  # those the backward pass has not sent: unused parameters, the held one
+                    bucket.send()  # those not sent yet (the held one, any with unused parameters), in order
                 for bucket in self._buckets:
                     bucket.finish()
+                self._next_bucket = 0
             else:
                 self.group.allreduce([self.grad_flat]).wait()
             return self.grad_flat[self.shard.start : self.shard.stop]
@@ -164,22 +178,18 @@ class GlooReducer:
 class _Bucket:
     """A contiguous run of ``grad_flat`` (whole parameters), all-reduced in one collective."""
 
-    def __init__(self, params: list[torch.Tensor], grad: torch.Tensor, expected: int, group, held: bool):
-        self.params, self.grad, self.expected, self.group = params, grad, expected, group
-        # The held bucket is sent only from reduce(): every worker then publishes its loss and
-        # gradient check before its last collective starts, so no peer can finish the step's
-        # reduce before they are written.
-        self.held = held
-        self._ready, self._work, self._sum = 0, None, None
+    def __init__(self, params: list[torch.Tensor], grad: torch.Tensor, expected: int, group):
+        self.params, self.grad, self.group = params, grad, group
+        self.expected = expected  # gradients accumulated into it per step: complete after that many
+        self.ready, self._work, self._sum = 0, None, None
+
+    @property
+    def complete(self) -> bool:
+        return self.ready == self.expected
 
     @property
     def sent(self) -> bool:
         return self._work is not None
-
-    def on_gradient(self, _param: torch.Tensor) -> None:
-        self._ready += 1
-        if self._ready == self.expected and not self.held:
-            self.send()
 
     def local_sum(self) -> float:
         return self._sum if self.sent else self.grad.sum().item()
@@ -191,7 +201,7 @@ class _Bucket:
 
     def finish(self) -> None:
         self._work.wait()
-        self._ready, self._work, self._sum = 0, None, None
+        self.ready, self._work, self._sum = 0, None, None
 
 
 def _buckets_in_backward_order(params, grad_flat: torch.Tensor, backward_passes: int, bucket_bytes: int,
@@ -207,8 +217,8 @@ def _buckets_in_backward_order(params, grad_flat: torch.Tensor, backward_passes:
         nbytes += span[0].numel() * grad_flat.element_size()
         if nbytes >= bucket_bytes or span is spans[0]:
             start, stop = current[-1][1], current[0][2]
-            buckets.append(_Bucket([p for p, _, _ in current], grad_flat[start:stop],
-                                   backward_passes * len(current), group, held=span is spans[0]))
+            buckets.append(_Bucket([p for p, _, _ in current], grad_flat[start:stop], backward_passes * len(current),
+                                   group))
             current, nbytes = [], 0
     return buckets
 
