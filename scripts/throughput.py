@@ -60,6 +60,7 @@ def main() -> None:
                          "speedup_vs_first": statistics.median(runs) / base})
     report = {"machine": describe_machine(), "model": "lenet", "data": "synthetic 1x28x28, 10 classes",
               "optimizer": "SGD momentum 0.9", "threads_per_worker": 1, "steps_per_run": args.steps,
+              "settings": "Trainer defaults: comm=auto, channels_last=auto (on for LeNet), fp32",
               "rounds": args.rounds, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def main() -> None:
     machine = report["machine"]
     lines = [f"# Engine throughput: LeNet, synthetic 28x28, {args.steps} steps per run, {args.rounds} rounds",
              "", f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, "
-             f"torch {machine['torch']}. Command: `python scripts/throughput.py`", "",
+             f"torch {machine['torch']}. Command: `python scripts/throughput.py`. {report['settings']}.", "",
              "| batch | workers | per-worker batch | samples/s (median) | min | max | speedup |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch_size']} | {r['workers']} | {r['per_worker_batch']:g} | {r['samples_per_sec_median']:.0f} "
