@@ -90,7 +90,8 @@ def has_conv2d_weights(model: nn.Module) -> bool:
     """Whether channels_last=auto turns the layout on: the model has a trainable 4-d weight.
 
     For convolutions, oneDNN runs channels-last fastest on CPUs, and pooling over NCHW takes a
-    slow path: LeNet and cifar10_quick train about 1.5x faster per core in fp32 (results/).
+    slow path: LeNet and cifar10_quick step 1.6-1.7x faster on one core in fp32 on the
+    development machine (scripts/layout.py).
     """
     return any(p.dim() == 4 for p in model.parameters() if p.requires_grad)
 

@@ -1,4 +1,4 @@
-"""scripts/bench.py keeps working: every variant runs at a tiny size and reports a rate."""
+"""The benchmark scripts keep working: every variant runs at a tiny size and reports a rate."""
 import sys
 from pathlib import Path
 
@@ -23,3 +23,10 @@ def test_every_variant_trains_and_reports_a_rate(variant, no_leaks):
     case = bench.Case("lenet", 8, "fp32", True)
     rate = bench.measure(variant, case, 2, bench.Timing(warmup=1, steps=3), read_topology())
     assert rate > 0
+
+
+def test_layout_script_times_a_step_in_both_layouts():
+    import layout  # scripts/ is on the path (above)
+
+    assert layout.step_ms("lenet", (1, 28, 28), 4, channels_last=False, reps=2) > 0
+    assert layout.step_ms("lenet", (1, 28, 28), 4, channels_last=True, reps=2) > 0
