@@ -1,8 +1,9 @@
 """sn_trainer: data-parallel training on the cores of one CPU node, with one shared model."""
-from .config import ConfigError
 from .engine.cluster import Cluster
-from .engine.launch import WorkerFailed
-from .trainer import FitResult, Trainer, TrainingDiverged, TrainingInterrupted
+from .errors import (CheckpointError, ConfigError, DataError, InputError, TrainingDiverged, TrainingInterrupted,
+                     UserCodeError, WorkerFailed)
+from .trainer import FitResult, Trainer
 
-__all__ = ["Cluster", "ConfigError", "FitResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "WorkerFailed"]
-__version__ = "0.1.0"
+__all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "FitResult", "InputError", "Trainer",
+           "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "WorkerFailed"]
+__version__ = "0.2.0"

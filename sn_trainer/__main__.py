@@ -2,24 +2,24 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, RunConfig
-from .engine.launch import WorkerFailed
+from .config import RunConfig, help_text
+from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     from .run import run  # after Hydra parsed the command line: `--help` stays fast
-    from .trainer import TrainingDiverged, TrainingInterrupted
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         summary = run(RunConfig.from_dict(resolved), HydraConfig.get().runtime.output_dir, resolved)
-    except ConfigError as exc:
+    except InputError as exc:
         _exit(2, f"error: {exc}")
     except TrainingInterrupted as exc:
         _exit(128 + exc.signum, f"interrupted: {exc}; resume with resume={exc.checkpoint}"
@@ -37,7 +37,16 @@ def _exit(code: int, message: str) -> None:
 
 
 def main() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        print(help_text(_groups()))
+        return
     hydra_main()
+
+
+def _groups() -> dict[str, list[str]]:
+    conf = Path(__file__).with_name("conf")
+    return {group.name: sorted(p.stem for p in group.glob("*.yaml"))
+            for group in sorted(conf.iterdir()) if group.is_dir()}
 
 
 if __name__ == "__main__":

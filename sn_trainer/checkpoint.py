@@ -1,106 +1,34 @@
-"""Checkpoints: assembled from the workers' parts, written atomically, loaded without running code.
+"""Checkpoint files: what they hold, written atomically, loaded without running code.
 
-A checkpoint holds the model's state_dict, the whole optimizer state (gathered from the shards
-into full-length tensors, so a run may resume with another worker count), the LR scheduler,
-the step reached, every worker's RNG state, the resolved config and a format version.
+A checkpoint holds the model's state_dict, the optimizer's state per parameter name (as one
+process's optimizer would hold it, so a run may resume with another worker count), the step
+reached, every worker's random state, the facts a resume must agree with (batch size,
+accumulate, seed, drop_last, training-set size), the resolved config and a format version.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .errors import CheckpointError, ConfigError
 
 FORMAT = "sn_trainer-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: optimizer state per parameter name, with groups; 1: one flat state, one group
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 
-def to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def worker_part(rank: int, shard: tuple[int, int], optimizer, scheduler, model: nn.Module | None) -> bytes:
-    """What one worker contributes to a checkpoint, serialised (rank 0 adds the model)."""
-    part = {
-        "rank": rank,
-        "shard": list(shard),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": torch.get_rng_state(),
-    }
-    if model is not None:
-        part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
-                         for k, v in model.state_dict().items()}
-    return to_bytes(part)
-
-
-def assemble(parts: list[dict[str, Any]], step: int, numel: int, config: dict[str, Any] | None,
-             to_contiguous: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, Any]:
-    """One checkpoint from every worker's part: shard states joined into full-length tensors.
-
-    ``to_contiguous`` puts a joined tensor from the flat buffer's order into the parameters'
-    contiguous order (engine.shared.FlatOrder), so that the saved state does not depend on
-    the layout the run used.
-    """
-    parts = sorted(parts, key=lambda p: p["rank"])
-    per_element: dict[str, list[torch.Tensor]] = {}
-    scalars: dict[str, Any] = {}
-    param_group = None
-    for part in parts:
-        state = part["optimizer"]
-        if state is None:
-            continue  # a worker whose shard is empty holds no optimizer
-        param_group = param_group or {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-        start, stop = part["shard"]
-        for key, value in state["state"].get(0, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == stop - start:
-                per_element.setdefault(key, []).append(value)
-            else:
-                scalars.setdefault(key, value)
-    optimizer = {"per_element": {k: to_contiguous(torch.cat(v)) for k, v in per_element.items()}, "scalars": scalars,
-                 "param_group": param_group}
-    for key, full in optimizer["per_element"].items():
-        if full.numel() != numel:
-            raise RuntimeError(f"optimizer state {key!r} gathered {full.numel()} values for {numel} parameters")
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "model": parts[0]["model"],
-        "optimizer": optimizer,
-        "scheduler": parts[0]["scheduler"],
-        "rng": [p["rng"] for p in parts],
-        "config": config or {},
-    }
-
-
-def shard_optimizer_state(checkpoint: dict[str, Any], start: int, stop: int,
-                          to_flat: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, Any]:
-    """The optimizer state_dict of one shard, cut from a checkpoint's full-length state.
-
-    ``to_flat`` puts the saved (contiguous) order into the flat buffer's order first.
-    """
-    opt = checkpoint["optimizer"]
-    state = {key: to_flat(value)[start:stop].clone() for key, value in opt["per_element"].items()}
-    state.update({key: (value.clone() if isinstance(value, torch.Tensor) else value)
-                  for key, value in opt["scalars"].items()})
-    return {"state": {0: state} if state else {}, "param_groups": [{**opt["param_group"], "params": [0]}]}
+def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[torch.Tensor],
+          run: dict[str, Any], config: dict[str, Any] | None) -> dict[str, Any]:
+    """The checkpoint's contents (``optimizer`` as ``engine.state.gather`` gives it)."""
+    return {"format": FORMAT, "version": VERSION, "step": step, "model": model, "optimizer": optimizer, "rng": rng,
+            "run": run, "config": config or {}}
 
 
 def is_finite(checkpoint: dict[str, Any]) -> bool:
@@ -134,14 +62,15 @@ class CheckpointDir:
 
         Raises:
             RuntimeError: the parameters are not finite (never saved).
+            OSError: the write failed (a full disk); the previous checkpoints are untouched.
         """
         if not is_finite(checkpoint):
             raise RuntimeError(f"refusing to checkpoint non-finite parameters at step {checkpoint['step']}")
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         final = self.path / f"step-{checkpoint['step']:09d}.pt"
         tmp = self.path / f".{final.name}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -183,7 +112,7 @@ def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:
     """``resume`` as a file: "latest" (in the checkpoint directory), a directory, or a file.
 
     Raises:
-        ConfigError: nothing to resume from there.
+        CheckpointError: nothing to resume from there.
     """
     if resume == "latest":
         if default_dir is None:
@@ -194,11 +123,11 @@ def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:
     if target.is_dir():
         latest = CheckpointDir(target).latest()
         if latest is None:
-            raise ConfigError(f"no checkpoint (step-*.pt) in {target} to resume from")
+            raise CheckpointError(f"no checkpoint (step-*.pt) in {target} to resume from")
         return latest
     if not target.is_file():
-        raise ConfigError(f"resume={resume}: {target} does not exist; pass a checkpoint file, a checkpoint "
-                          "directory, or latest")
+        raise CheckpointError(f"resume={resume}: {target} does not exist; pass a checkpoint file, a checkpoint "
+                              "directory, or latest")
     return target
 
 
@@ -206,8 +135,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint without executing code from it (tensors and plain data only).
 
     Raises:
-        ConfigError: unreadable, truncated, not a checkpoint, a newer format, or one that would
-            need arbitrary objects unpickled.
+        CheckpointError: unreadable, truncated, not a checkpoint, a newer format, or one that
+            would need arbitrary objects unpickled.
     """
     path = Path(path)
     try:
@@ -217,18 +146,20 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         # pickle at all as UnpicklingError; only the first is an attack, the second is damage.
         found = re.search(r"(?:unsupported GLOBAL|Unsupported global:?) +([\w.]+)", str(exc))
         if found:
-            raise ConfigError(f"refusing {path}: loading it would run code or build arbitrary objects "
-                              f"(it asks for {found.group(1)}); sn_trainer loads tensors and plain data only") from None
-        raise ConfigError(f"{path} is corrupt or truncated (not a torch checkpoint); "
-                          "resume from an earlier checkpoint") from None
+            raise CheckpointError(f"refusing {path}: loading it would run code or build arbitrary objects "
+                                  f"(it asks for {found.group(1)}); sn_trainer loads tensors and plain data only") \
+                from None
+        raise CheckpointError(f"{path} is corrupt or truncated (not a torch checkpoint); "
+                              "resume from an earlier checkpoint") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
         detail = str(exc).splitlines()[0].split(". ")[0][:120]  # torch's first sentence says what broke
-        raise ConfigError(f"{path} is corrupt or truncated ({detail}); resume from an earlier checkpoint") from None
+        raise CheckpointError(f"{path} is corrupt or truncated ({detail}); resume from an earlier checkpoint") \
+            from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        raise ConfigError(f"{path} is not an sn_trainer checkpoint")
+        raise CheckpointError(f"{path} is not an sn_trainer checkpoint")
     if checkpoint.get("version", 0) > VERSION:
-        raise ConfigError(f"{path} has format version {checkpoint['version']}, newer than this sn_trainer "
-                          f"reads ({VERSION}); upgrade sn_trainer")
+        raise CheckpointError(f"{path} has format version {checkpoint['version']}, newer than this sn_trainer "
+                              f"reads ({VERSION}); upgrade sn_trainer")
     return checkpoint
 
 
@@ -236,34 +167,36 @@ def check_model(checkpoint: dict[str, Any], model: nn.Module, path: str | os.Pat
     """Refuse a checkpoint saved from a model of another shape.
 
     Raises:
-        ConfigError: names the first parameter or buffer that differs.
+        CheckpointError: names the first parameter or buffer that differs.
     """
     mine = model.state_dict()
     theirs = checkpoint["model"]
     for name in sorted(set(mine) | set(theirs)):
         if name not in theirs or name not in mine:
             where = "checkpoint" if name not in theirs else "model"
-            raise ConfigError(f"{path} was saved from another model: {name!r} is missing from the {where}")
+            raise CheckpointError(f"{path} was saved from another model: {name!r} is missing from the {where}")
         if tuple(mine[name].shape) != tuple(theirs[name].shape):
-            raise ConfigError(f"{path} was saved from another model: {name!r} has shape "
-                              f"{tuple(theirs[name].shape)} there, {tuple(mine[name].shape)} here")
+            raise CheckpointError(f"{path} was saved from another model: {name!r} has shape "
+                                  f"{tuple(theirs[name].shape)} there, {tuple(mine[name].shape)} here")
 
 
-class Collector:
-    """In the launcher: gathers the workers' parts of each checkpoint and writes it when complete."""
+def optimizer_state(checkpoint: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any] | None:
+    """The optimizer state per parameter name (``engine.state`` form), from either format version.
 
-    def __init__(self, world_size: int, numel: int, directory: CheckpointDir, config: dict[str, Any] | None,
-                 to_contiguous: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-        self.world_size, self.numel, self.directory, self.config = world_size, numel, directory, config
-        self.to_contiguous = to_contiguous
-        self._parts: dict[int, list[dict[str, Any]]] = {}
-        self.last_saved: Path | None = None
-
-    def add(self, step: int, data: bytes) -> Path | None:
-        parts = self._parts.setdefault(step, [])
-        parts.append(from_bytes(data))
-        if len(parts) < self.world_size:
-            return None
-        del self._parts[step]
-        self.last_saved = self.directory.save(assemble(parts, step, self.numel, self.config, self.to_contiguous))
-        return self.last_saved
+    ``shapes`` are the trainable parameters' names and shapes in model order: a version-1
+    checkpoint kept one flat, full-length state in that order.
+    """
+    saved = checkpoint.get("optimizer")
+    if checkpoint.get("version", 1) >= 2 or saved is None:
+        return saved
+    state, per_element, offset = {}, {}, 0
+    for name, shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        held = {key: value[offset : offset + n].reshape(shape).clone() for key, value in saved["per_element"].items()}
+        held.update({key: (v.clone() if isinstance(v, torch.Tensor) else v) for key, v in saved["scalars"].items()})
+        state[name], per_element[name] = held, list(saved["per_element"])
+        offset += n
+    return {"param_groups": [{**saved["param_group"], "params": [name for name, _ in shapes]}], "state": state,
+            "per_element": per_element}

@@ -1,19 +1,35 @@
-"""Typed, validated settings: what the Trainer takes, and what the command line composes."""
+"""Typed, validated settings: each option's default and help live here, once.
+
+The Trainer takes ``TrainerConfig``'s fields as keyword arguments; the command line composes
+``RunConfig`` (the same fields at the top level, plus what to train). The shipped YAML and the
+README's options table are checked against these defaults and help texts by the tests.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import copy
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-# Which collective turns the workers' gradients into each worker's summed shard (engine/comm.py).
-# all_reduce measured faster than gloo's reduce_scatter on the development machine (LeNet's
-# 1.7 MB gradient, 2 workers: ~3.6 ms vs ~8.5 ms), so it is the default; both stay selectable.
+from .errors import ConfigError
+
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
 COMMS = ("auto", "shm", "gloo")
 PRECISIONS = ("fp32", "bf16")
+SHARDS = ("auto", "elements", "tensors")
+START_METHODS = ("forkserver", "spawn")
+SCHEDULES = ("constant", "cosine", "step")
+LOGGERS = ("none", "tensorboard")
+
+__all__ = ["ConfigError", "TrainerConfig", "RunConfig", "ModelConfig", "DatasetConfig", "OptimConfig",
+           "BenchConfig", "CheckpointConfig", "option_rows"]
 
 
-class ConfigError(ValueError):
-    """A setting is wrong; the message says which, and how to fix it."""
+def option(default: Any, help: str, cli: bool = True):
+    """A dataclass field with its help text; ``cli=False``: an API-only setting."""
+    metadata = {"help": help, "cli": cli}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -21,63 +37,71 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, name: str, minimum: int = 1, nullable: bool = False) -> None:
+    if nullable and value is None:
+        return
+    _require(_is_int(value) and value >= minimum,
+             f"{name} must be >= {minimum}{' or null' if nullable else ''}, got {value!r}")
+
+
+def _one_of(value: Any, name: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass
 class TrainerConfig:
-    """How the engine trains; the Trainer's keyword arguments."""
+    """How the engine trains: the Trainer's keyword arguments, and the command line's top-level keys."""
 
-    workers: int | str = "auto"
-    """Worker processes; "auto" = physical cores // threads."""
-    threads: int = 1
-    """Intra-op threads per worker, each on a physical core of its own."""
-    batch_size: int = 64
-    """Global batch per micro-step, split across the workers."""
-    epochs: int = 1
-    """Passes over the training set (ignored when max_steps is set)."""
-    max_steps: int | None = None
-    """Optimizer steps to run; when set, it decides the length of the run."""
-    seed: int = 0
-    """Decides the sample order and each worker's random state."""
-    accumulate: int = 1
-    """Micro-batches per optimizer step: the step's batch is batch_size x accumulate."""
-    clip_grad_norm: float | None = None
-    """Clip the averaged gradient to this global L2 norm (over all shards)."""
-    comm: str = "auto"
-    """How gradients are summed: shm (shared memory), gloo, or auto (measures both, keeps the faster)."""
-    reduce: str = "all_reduce"
-    """gloo's collective: all_reduce or reduce_scatter."""
-    bucket_kb: int = 256
-    """With gloo's all_reduce, gradients leave in buckets of about this many KiB while the backward
-    pass computes the rest; 0 sends them in one piece after it. 256 lets LeNet's fully connected
-    layers (1.6 MB) travel while its convolutions run backward."""
-    precision: str = "fp32"
-    """fp32, or bf16: autocast to bfloat16 for compute, parameters and gradients stay fp32."""
-    channels_last: bool | str = "auto"
-    """Lay out 4-d weights and inputs channels-last (oneDNN's preferred format for convolutions);
-    auto: on for models with 4-d (convolution) weights."""
-    log_every: int = 50
-    """Report loss and samples/s every this many optimizer steps."""
-    eval_batch_size: int = 512
-    """Samples per forward pass in evaluation, per worker."""
-    measure_after: int = 0
-    """Warm-up steps left out of samples/s, phase seconds and CPU utilisation."""
-    profile_dir: str | None = None
-    """When set, each worker writes a torch.profiler Chrome trace of profile_steps steps here."""
-    profile_steps: int = 3
-    """Steps traced by the profiler, from the end of the warm-up."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go; none are written without it."""
-    checkpoint_every_steps: int | None = None
-    """Checkpoint every this many optimizer steps (besides the last step and a stop by signal)."""
-    checkpoint_every_epochs: int | None = None
-    """Checkpoint every this many epochs."""
-    checkpoint_keep: int = 3
-    """Keep the last this many checkpoints."""
-    resume: str | None = None
-    """Continue from a checkpoint: "latest" (in checkpoint_dir), a checkpoint directory, or a file."""
-    max_restarts: int = 0
-    """When a worker dies, restart all from the last checkpoint up to this many times."""
-    on_nan: str = "stop"
-    """A non-finite loss or gradient: stop (naming the step), or skip that update and count it."""
+    batch_size: int = option(64, "global batch per micro-step, split across the workers (and nodes)")
+    workers: int | str = option("auto", "worker processes; `auto` = physical cores // threads")
+    threads: int = option(1, "intra-op threads per worker, each on a physical core of its own")
+    epochs: int = option(8, "passes over the training set (ignored when max_steps is set)")
+    max_steps: int | None = option(None, "when set, stop after this many optimizer steps")
+    seed: int = option(0, "decides the sample order and each worker's random state")
+    accumulate: int = option(1, "micro-batches per optimizer step: a step trains on batch_size x accumulate samples")
+    drop_last: bool = option(True, "leave out the last, incomplete global batch of each epoch; `false` trains it too, "
+                                   "exactly (each worker weighs its real share)")
+    clip_grad_norm: float | None = option(None, "clip the averaged gradient to this global L2 norm (over all shards)")
+    comm: str = option("auto", "how gradients are summed: `shm` (shared memory), `gloo`, or `auto` (times both at "
+                               "start-up, keeps the faster; summary.json says which ran)")
+    reduce: str = option("all_reduce", "gloo's collective: `all_reduce` or `reduce_scatter` (elementwise shards only)")
+    bucket_kb: int = option(256, "with gloo's all_reduce, gradients leave in buckets of about this many KiB while the "
+                                 "backward pass computes the rest (like DDP's); 0 sends them in one piece after it")
+    precision: str = option("fp32", "`bf16`: autocast to bfloat16, fp32 master weights (fp32 where the CPU has no "
+                                    "native bf16; summary.json says which ran)")
+    channels_last: bool | str = option("auto", "NHWC layout for 4-d weights and inputs (oneDNN's preferred format); "
+                                               "`auto`: on for conv nets without batch norm")
+    shards: str = option("auto", "how the optimizer's work is split: `elements` (any slice; elementwise optimizers "
+                                 "such as SGD and Adam), `tensors` (whole tensors, for optimizers that look at a whole "
+                                 "tensor, such as Adafactor), or `auto` (by the optimizer's class)")
+    sync_batchnorm: bool = option(False, "batch norm statistics over the global batch (exact), instead of each "
+                                         "worker's slice (like DDP)")
+    start_method: str = option("forkserver", "how workers start: `forkserver` (warm: forked from a server that "
+                                             "has imported torch once per process) or `spawn` (a fresh interpreter "
+                                             "each)")
+    log_every: int = option(100, "optimizer steps between progress records")
+    eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
+    measure_after: int = option(0, "warm-up steps left out of samples/s, phase seconds and CPU use", cli=False)
+    profile_dir: str | None = option(None, "when set, each worker writes a torch.profiler Chrome trace of "
+                                           "profile_steps steps here", cli=False)
+    profile_steps: int = option(3, "steps traced by the profiler, from the end of the warm-up", cli=False)
+    checkpoint_dir: str | None = option(None, "where checkpoints go; none are written without it")
+    checkpoint_every_steps: int | None = option(None, "also checkpoint every this many optimizer steps")
+    checkpoint_every_epochs: int | None = option(1, "checkpoint every this many epochs (and after the last step, and "
+                                                    "when a signal stops the run)")
+    checkpoint_keep: int = option(3, "keep the last this many checkpoints")
+    resume: str | None = option(None, "continue from a checkpoint: `latest` (in the checkpoint directory), a "
+                                      "checkpoint directory, or a file")
+    resume_strict: bool = option(True, "refuse to resume with another batch_size, accumulate, seed, drop_last or "
+                                       "training-set size (`false`: a warning)")
+    max_restarts: int = option(0, "when a worker dies or hangs, restart all from the last checkpoint, up to this "
+                                  "many times")
+    worker_timeout: float = option(300.0, "seconds a worker may go without progress before the run ends, naming it")
+    on_nan: str = option("stop", "a non-finite loss or gradient: `stop` (naming the step) or `skip` that update")
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, str):
@@ -85,57 +109,46 @@ class TrainerConfig:
         else:
             _require(_is_int(self.workers) and self.workers >= 1,
                      f"workers must be >= 1 (or 'auto'), got {self.workers!r}")
-        _require(_is_int(self.threads) and self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
-        _require(_is_int(self.batch_size) and self.batch_size >= 1,
-                 f"batch_size must be >= 1, got {self.batch_size!r}")
-        if _is_int(self.workers):
-            _require(self.batch_size >= self.workers,
-                     f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs "
-                     f"at least one sample; raise batch_size or lower workers")
-        _require(_is_int(self.epochs) and self.epochs >= 1, f"epochs must be >= 1, got {self.epochs!r}")
-        _require(self.max_steps is None or (_is_int(self.max_steps) and self.max_steps >= 1),
-                 f"max_steps must be >= 1 or null, got {self.max_steps!r}")
+        _positive_int(self.threads, "threads")
+        _positive_int(self.batch_size, "batch_size")
+        _positive_int(self.epochs, "epochs")
+        _positive_int(self.max_steps, "max_steps", nullable=True)
         _require(_is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
-        _require(_is_int(self.accumulate) and self.accumulate >= 1,
-                 f"accumulate must be >= 1, got {self.accumulate!r}")
+        _positive_int(self.accumulate, "accumulate")
+        _require(isinstance(self.drop_last, bool), f"drop_last must be true or false, got {self.drop_last!r}")
         _require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
                  f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}")
-        _require(self.comm in COMMS, f"comm must be one of {', '.join(COMMS)}, got {self.comm!r}")
-        _require(self.precision in PRECISIONS,
-                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        _one_of(self.comm, "comm", COMMS)
+        _one_of(self.precision, "precision", PRECISIONS)
+        _one_of(self.shards, "shards", SHARDS)
+        _one_of(self.start_method, "start_method", START_METHODS)
         _require(isinstance(self.channels_last, bool) or self.channels_last == "auto",
                  f"channels_last must be true, false or auto, got {self.channels_last!r}")
-        _require(_is_int(self.bucket_kb) and self.bucket_kb >= 0, f"bucket_kb must be >= 0, got {self.bucket_kb!r}")
-        _require(self.reduce in REDUCE_MODES, f"reduce must be one of {', '.join(REDUCE_MODES)}, got {self.reduce!r}")
-        _require(_is_int(self.log_every) and self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}")
-        _require(_is_int(self.eval_batch_size) and self.eval_batch_size >= 1,
-                 f"eval_batch_size must be >= 1, got {self.eval_batch_size!r}")
-        _require(_is_int(self.measure_after) and self.measure_after >= 0,
-                 f"measure_after must be >= 0, got {self.measure_after!r}")
-        _require(_is_int(self.profile_steps) and self.profile_steps >= 1,
-                 f"profile_steps must be >= 1, got {self.profile_steps!r}")
-        for key in ("checkpoint_every_steps", "checkpoint_every_epochs"):
-            value = getattr(self, key)
-            _require(value is None or (_is_int(value) and value >= 1), f"{key} must be >= 1 or null, got {value!r}")
-        _require(_is_int(self.checkpoint_keep) and self.checkpoint_keep >= 1,
-                 f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
-        _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
-                 f"max_restarts must be >= 0, got {self.max_restarts!r}")
-        _require(self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}")
+        _require(isinstance(self.sync_batchnorm, bool),
+                 f"sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
+        _positive_int(self.bucket_kb, "bucket_kb", minimum=0)
+        _one_of(self.reduce, "reduce", REDUCE_MODES)
+        _positive_int(self.log_every, "log_every")
+        _positive_int(self.eval_batch_size, "eval_batch_size")
+        _positive_int(self.measure_after, "measure_after", minimum=0)
+        _positive_int(self.profile_steps, "profile_steps")
+        _positive_int(self.checkpoint_every_steps, "checkpoint_every_steps", nullable=True)
+        _positive_int(self.checkpoint_every_epochs, "checkpoint_every_epochs", nullable=True)
+        _positive_int(self.checkpoint_keep, "checkpoint_keep")
+        _positive_int(self.max_restarts, "max_restarts", minimum=0)
+        _require(isinstance(self.worker_timeout, (int, float)) and not isinstance(self.worker_timeout, bool)
+                 and self.worker_timeout > 0, f"worker_timeout must be > 0 seconds, got {self.worker_timeout!r}")
+        _one_of(self.on_nan, "on_nan", ("stop", "skip"))
         _require(self.resume is None or isinstance(self.resume, str),
                  f"resume must be latest, a directory or a file, got {self.resume!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        _require(isinstance(self.resume_strict, bool), f"resume_strict must be true or false, got {self.resume_strict!r}")
 
 
 @dataclass
 class ModelConfig:
-    name: str = "lenet"
-    """lenet, cifar10_quick, mlp, or any torchvision classification model (resnet18...)."""
-    hidden: list[int] | None = None
-    """mlp only: sizes of the hidden layers."""
+    name: str = option("lenet", "`lenet`, `cifar10_quick`, `mlp`, `gpt`, or any torchvision classification model "
+                                "(with model=torchvision)")
+    hidden: list[int] | None = option(None, "mlp: sizes of the hidden layers")
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "model.name must be a non-empty string")
@@ -145,63 +158,42 @@ class ModelConfig:
 
 @dataclass
 class DatasetConfig:
-    name: str = "fashion_mnist"
-    """fashion_mnist, mnist, cifar10, synthetic or folder."""
-    root: str | None = None
-    """Where the files are (or go, with download=true)."""
-    download: bool = False
-    """Let torchvision download the dataset into root when it is not found (needs internet)."""
-    augment: bool | None = None
-    """Random crop + flip; default: on for cifar10 only."""
-    shape: list[int] = field(default_factory=lambda: [1, 28, 28])
-    """synthetic: [C, H, W] of the images."""
-    num_classes: int = 10
-    """synthetic: number of classes."""
-    train_size: int = 8192
-    """synthetic: training samples."""
-    test_size: int = 1024
-    """synthetic: test samples."""
-    image_size: int = 32
-    """folder: images are resized to image_size x image_size."""
-    test_fraction: float = 0.1
-    """folder without train/ and test/ sub-folders: share held out for testing."""
-    seed: int = 0
-    """synthetic data and the folder split."""
+    name: str = option("fashion_mnist", "`fashion_mnist`, `mnist`, `cifar10`, `synthetic` or `folder`")
+    root: str | None = option(None, "where the files are (or go, with download=true)")
+    download: bool = option(False, "let torchvision download the dataset into root when it is not found "
+                                   "(needs internet)")
+    augment: bool | None = option(None, "random crop and flip; default: on for cifar10 only")
+    shape: list[int] = option([1, 28, 28], "synthetic: [C, H, W] of the images")
+    num_classes: int = option(10, "synthetic: number of classes")
+    train_size: int = option(8192, "synthetic: training samples")
+    test_size: int = option(1024, "synthetic: test samples")
+    image_size: int = option(32, "folder: images are resized to image_size x image_size")
+    test_fraction: float = option(0.1, "folder without train/ and test/: share held out for testing")
+    seed: int = option(0, "synthetic data and the folder split")
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.train_size) and self.train_size >= 1, "dataset.train_size must be >= 1")
-        _require(_is_int(self.test_size) and self.test_size >= 1, "dataset.test_size must be >= 1")
-        _require(_is_int(self.image_size) and self.image_size >= 1, "dataset.image_size must be >= 1")
+        _positive_int(self.train_size, "dataset.train_size")
+        _positive_int(self.test_size, "dataset.test_size")
+        _positive_int(self.image_size, "dataset.image_size")
         _require(0 < self.test_fraction < 1, f"dataset.test_fraction must be in (0, 1), got {self.test_fraction}")
-
-
-SCHEDULES = ("constant", "cosine", "step")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    """sgd or adamw."""
-    lr: float = 0.02
-    """Base learning rate (before scale_lr)."""
-    momentum: float = 0.9
-    """sgd only."""
-    nesterov: bool = False
-    """sgd only."""
-    weight_decay: float = 5e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """adamw only."""
-    schedule: str = "cosine"
-    """constant, cosine (to zero at the last step) or step (times gamma every step_every steps)."""
-    warmup_steps: int = 0
-    """Linear warm-up from lr/warmup_steps to lr over this many steps, before the schedule."""
-    step_every: int = 1000
-    """step schedule: optimizer steps between decays."""
-    gamma: float = 0.1
-    """step schedule: decay factor."""
-    scale_lr: bool = False
-    """Linear scaling rule: lr = base lr x (batch_size x accumulate) / reference_batch."""
-    reference_batch: int = 256
+    name: str = option("sgd", "`sgd` or `adamw`")
+    lr: float = option(0.02, "base learning rate (before scale_lr)")
+    momentum: float = option(0.9, "sgd: momentum")
+    nesterov: bool = option(False, "sgd: Nesterov momentum")
+    weight_decay: float = option(5e-4, "weight decay")
+    betas: list[float] = option([0.9, 0.999], "adamw: betas")
+    schedule: str = option("cosine", "`constant`, `cosine` (to zero at the last step) or `step` (times gamma every "
+                                     "step_every steps)")
+    warmup_steps: int = option(100, "linear warm-up from lr/warmup_steps to lr over this many steps, before the "
+                                    "schedule")
+    step_every: int = option(1000, "step schedule: optimizer steps between decays")
+    gamma: float = option(0.1, "step schedule: decay factor")
+    scale_lr: bool = option(False, "linear scaling rule: lr x batch_size x accumulate / reference_batch")
+    reference_batch: int = option(256, "the batch the base lr was tuned for (scale_lr)")
 
     def __post_init__(self) -> None:
         _require(self.name in ("sgd", "adamw"), f"unknown optimizer {self.name!r}; choose one of sgd, adamw")
@@ -210,33 +202,40 @@ class OptimConfig:
         _require(not self.nesterov or self.momentum > 0, "optim.nesterov=true needs optim.momentum > 0")
         _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         _require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        _require(_is_int(self.warmup_steps) and self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-        _require(_is_int(self.step_every) and self.step_every >= 1, "optim.step_every must be >= 1")
+        _positive_int(self.warmup_steps, "optim.warmup_steps", minimum=0)
+        _positive_int(self.step_every, "optim.step_every")
         _require(0 < self.gamma <= 1, f"optim.gamma must be in (0, 1], got {self.gamma}")
-        _require(_is_int(self.reference_batch) and self.reference_batch >= 1, "optim.reference_batch must be >= 1")
+        _positive_int(self.reference_batch, "optim.reference_batch")
 
 
 @dataclass
 class BenchConfig:
-    enabled: bool = False
-    """Benchmark mode: no evaluation; time bench.steps optimizer steps after bench.warmup."""
-    steps: int = 30
-    warmup: int = 5
-    skip_oversubscribed: bool = False
-    """Skip (quickly, writing why) a job whose workers x threads exceed the physical cores."""
+    enabled: bool = option(False, "benchmark mode: no evaluation, time bench.steps optimizer steps after "
+                                  "bench.warmup")
+    steps: int = option(30, "benchmark mode: measured steps")
+    warmup: int = option(5, "benchmark mode: steps before measuring")
+    skip_oversubscribed: bool = option(False, "skip (at once, writing why) a job whose workers x threads exceed the "
+                                              "physical cores")
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.steps) and self.steps >= 1, f"bench.steps must be >= 1, got {self.steps!r}")
-        _require(_is_int(self.warmup) and self.warmup >= 0, f"bench.warmup must be >= 0, got {self.warmup!r}")
+        _positive_int(self.steps, "bench.steps")
+        _positive_int(self.warmup, "bench.warmup", minimum=0)
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
-    """Where this run's checkpoints go (default: checkpoints/ in the run's output directory)."""
-    every_steps: int | None = None
-    every_epochs: int | None = 1
-    keep: int = 3
+    """The command line's checkpoint.* keys; they become the Trainer's checkpoint_* settings."""
+
+    dir: str | None = option(None, "where this run's checkpoints go (the command line's default: checkpoints/ in "
+                                   "the run's output directory)")
+    every_steps: int | None = option(None, "also checkpoint every this many optimizer steps")
+    every_epochs: int | None = option(1, "checkpoint every this many epochs (and after the last step, and when a "
+                                         "signal stops the run)")
+    keep: int = option(3, "keep the last this many checkpoints")
+
+
+# The command line's checkpoint.<key> is the Trainer's checkpoint_<key>.
+_CHECKPOINT_KEYS = {f"checkpoint_{f.name}": f.name for f in fields(CheckpointConfig)}
 
 
 @dataclass
@@ -249,26 +248,32 @@ class RunConfig:
     optim: OptimConfig
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    profile: bool = False
-    """Write a torch.profiler trace of a few steps per worker into the output directory."""
+    profile: bool = option(False, "write a torch.profiler trace of a few steps per worker into the output directory")
+
+    SECTIONS = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig,
+                "checkpoint": CheckpointConfig}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
         """Build from a plain dict (Hydra's resolved config); unknown keys are errors."""
         raw = dict(raw)
-        sections = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig,
-                    "checkpoint": CheckpointConfig}
-        parts = {key: _build(kind, raw.pop(key, None) or {}, key) for key, kind in sections.items()}
+        parts = {key: _build(kind, raw.pop(key, None) or {}, key) for key, kind in cls.SECTIONS.items()}
         raw.pop("hydra", None)
         profile = raw.pop("profile", False)
         _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
-        for key in [k for k in raw if k.startswith("checkpoint_")]:
-            raise ConfigError(f"unknown setting {key}; use checkpoint.{key[len('checkpoint_'):]}")
+        for key in [k for k in raw if k in _CHECKPOINT_KEYS]:
+            raise ConfigError(f"unknown setting {key}; use checkpoint.{_CHECKPOINT_KEYS[key]}")
+        api_only = sorted(k for k in raw if k in _api_only_keys())
+        if api_only:
+            raise ConfigError(f"{api_only[0]} is a Trainer argument, not a command-line setting")
         ckpt = parts["checkpoint"]
-        trainer = _build(TrainerConfig, {**raw, "checkpoint_dir": ckpt.dir, "checkpoint_every_steps": ckpt.every_steps,
-                                         "checkpoint_every_epochs": ckpt.every_epochs,
-                                         "checkpoint_keep": ckpt.keep}, None)
+        trainer = _build(TrainerConfig, {**raw, **{key: getattr(ckpt, name) for key, name in _CHECKPOINT_KEYS.items()}},
+                         None)
         return cls(trainer=trainer, profile=profile, **parts)
+
+
+def _api_only_keys() -> set[str]:
+    return {f.name for f in fields(TrainerConfig) if not f.metadata.get("cli", True)}
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str | None):
@@ -276,10 +281,74 @@ def _build(kind: type, values: dict[str, Any], prefix: str | None):
     unknown = sorted(set(values) - known)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        # checkpoint_* are set through the checkpoint.* section on the command line
-        shown = sorted({k if not k.startswith("checkpoint_") else "checkpoint.*" for k in known})
+        shown = sorted({("checkpoint.*" if k in _CHECKPOINT_KEYS else k) for k in known if k not in _api_only_keys()})
+        if prefix is None:
+            shown = sorted(set(shown) | {"profile", *(f"{s}.*" for s in RunConfig.SECTIONS if s != "checkpoint")})
         raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: {', '.join(where + k for k in shown)}")
     try:
         return kind(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+
+
+def _default(f) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def option_rows() -> list[tuple[str, Any, str]]:
+    """Every command-line key with its default and help, in the order the README lists them."""
+    rows = []
+    for f in fields(TrainerConfig):
+        if not f.metadata.get("cli", True) or f.name in _CHECKPOINT_KEYS:
+            continue
+        rows.append((f.name, _default(f), f.metadata["help"]))
+    rows.append(("profile", False, _help(RunConfig, "profile")))
+    for section, kind in RunConfig.SECTIONS.items():
+        for f in fields(kind):
+            rows.append((f"{section}.{f.name}", _default(f), f.metadata["help"]))
+    return rows
+
+
+def _help(kind: type, name: str) -> str:
+    return next(f.metadata["help"] for f in fields(kind) if f.name == name)
+
+
+# Where the command line's default differs from the Trainer's: (as the README shows it, as the YAML sets it).
+CLI_DEFAULTS = {"checkpoint.dir": ("<output dir>/checkpoints", "${hydra:runtime.output_dir}/checkpoints")}
+
+
+def yaml_value(value: Any) -> str:
+    """A default as YAML writes it (null, true, [1, 2])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def options_markdown() -> str:
+    """The README's options table, generated from the help texts above."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, help_text in option_rows():
+        shown = CLI_DEFAULTS[key][0] if key in CLI_DEFAULTS else yaml_value(default)
+        lines.append(f"| `{key}` | `{shown}` | {help_text} |")
+    return "\n".join(lines)
+
+
+def help_text(groups: dict[str, list[str]], width: int = 100) -> str:
+    """``python -m sn_trainer --help``: every key, its default and what it does; then the groups."""
+    import textwrap
+
+    lines = ["usage: python -m sn_trainer [key=value ...]        one run",
+             "       python -m sn_trainer --multirun key=a,b ...  a sweep, one job per combination", "",
+             "Trains on every physical core of this machine (see README.md). Settings, as key (default): meaning", ""]
+    for key, default, text in option_rows():
+        shown = CLI_DEFAULTS[key][0] if key in CLI_DEFAULTS else yaml_value(default)
+        lines += textwrap.wrap(f"{key} (default {shown}): {text.replace('`', '')}", width,
+                               initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
+    lines += ["", "Config groups (choose one with group=option; each sets the group's keys above):"]
+    lines += [f"  {group}: {', '.join(options)}" for group, options in groups.items()]
+    lines += ["", "Hydra's own options (--cfg job, -m, hydra.run.dir=...): python -m sn_trainer --hydra-help"]
+    return "\n".join(lines)

@@ -1,14 +1,92 @@
-"""Optimizer and learning-rate schedule factories from OptimConfig, picklable for the workers."""
+"""Optimizers: which shards each kind needs, their parameter groups, and the command line's factories."""
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from .config import OptimConfig
+from .errors import ConfigError
 
+# Optimizers whose update of an element depends only on that element's gradient and state:
+# each worker may step any slice of the parameters and compute what one process would.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+               torch.optim.Rprop)
+# Refused: they need what a sharded step cannot give.
+REFUSED = {torch.optim.LBFGS: "it re-evaluates the loss through a closure, several times a step",
+           torch.optim.SparseAdam: "it needs sparse gradients, and sn_trainer's gradients are dense"}
+
+
+def shard_kind(optimizer_class: type, asked: str) -> str:
+    """``elements`` or ``tensors`` for an optimizer class; ``asked`` is the shards setting.
+
+    Raises:
+        ConfigError: an optimizer sn_trainer cannot run (LBFGS, SparseAdam), or elementwise
+            shards asked for an optimizer not known to be elementwise.
+    """
+    for refused, why in REFUSED.items():
+        if issubclass(optimizer_class, refused):
+            raise ConfigError(f"{optimizer_class.__name__} cannot train with sn_trainer: {why}; use an optimizer "
+                              "whose step() needs no closure (SGD, AdamW, Adafactor...)")
+    if asked != "auto":
+        return asked
+    # Exact classes only: a subclass may change what its step looks at.
+    return "elements" if optimizer_class in ELEMENTWISE else "tensors"
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Parameter groups resolved against the model: options per group, and each parameter's group."""
+
+    options: list[dict[str, Any]] | None  # None: no groups; the factory gets a plain list of tensors
+    slot_groups: tuple[int | None, ...]  # per trainable parameter (model order); None: in no group
+    factory: Callable[..., torch.optim.Optimizer] | None = None  # the class of an optimizer G returned
+
+
+def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_groups: Callable | None) -> Groups:
+    """Call ``param_groups(model)`` and map its groups onto the trainable parameters.
+
+    It may return groups in torch.optim's format (dicts with "params" and options) or an
+    optimizer built from them (as nanoGPT's ``configure_optimizers`` does); then its class
+    becomes the factory, unless one is given.
+
+    Raises:
+        ConfigError: a group holds something that is not a trainable parameter of the model,
+            or a parameter twice.
+    """
+    if param_groups is None:
+        return Groups(None, (0,) * len(trainable))
+    result = param_groups(model)
+    factory = None
+    if isinstance(result, torch.optim.Optimizer):
+        factory, result = functools.partial(type(result)), result.param_groups
+    groups = list(result)
+    if not groups or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise ConfigError("param_groups(model) must return groups as torch.optim takes them: a list of dicts, "
+                          "each with 'params' and its options (or an optimizer built from them)")
+    index = {id(p): i for i, p in enumerate(trainable)}
+    slot_groups: list[int | None] = [None] * len(trainable)
+    for g, group in enumerate(groups):
+        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for p in params:
+            if id(p) not in index:
+                raise ConfigError(f"param_groups: group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                  "trainable parameter of the model")
+            if slot_groups[index[id(p)]] is not None:
+                raise ConfigError(f"param_groups: a parameter of shape {tuple(p.shape)} is in groups "
+                                  f"{slot_groups[index[id(p)]]} and {g}; put each parameter in one group")
+            slot_groups[index[id(p)]] = g
+    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return Groups(options, tuple(slot_groups), factory)
+
+
+# --- the command line's optimizers and schedules ---------------------------------------------------
 
 @dataclass(frozen=True)
 class LRSchedule:

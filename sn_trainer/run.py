@@ -1,6 +1,7 @@
 """One command-line job: data, model and optimizer from the config, fit, then write the results."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,11 +11,11 @@ from typing import Any
 import psutil
 import torch
 
-from . import checkpoint
-from .config import ConfigError, RunConfig
+from .config import RunConfig
 from .data.datasets import load_datasets
 from .engine.cluster import Cluster
-from .engine.topology import read_topology
+from .engine.topology import oversubscription
+from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer, build_scheduler, effective_lr
 from .report.machine import describe_machine
@@ -30,42 +31,44 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     Returns:
         The summary (also written to ``out_dir/summary.json``).
     Raises:
-        ConfigError: anything wrong with the settings or the data, before training starts.
+        InputError: anything wrong with the settings, the data or a checkpoint, before training starts.
     """
     out = _writable_dir(out_dir)
     machine = describe_machine()
-    trainer_settings = dict(vars(cfg.trainer))
+    settings = cfg.trainer
     if cfg.bench.enabled:
-        reason = _oversubscribed(cfg, read_topology().physical_cores)
-        if reason and cfg.bench.skip_oversubscribed:
+        # A benchmark job measures bench.steps steps after bench.warmup, and has nothing worth resuming.
+        settings = dataclasses.replace(settings, max_steps=cfg.bench.warmup + cfg.bench.steps,
+                                       measure_after=cfg.bench.warmup, checkpoint_dir=None)
+    if cfg.profile:
+        settings = dataclasses.replace(settings, profile_dir=str(out))
+    cluster = Cluster.from_env(os.environ)  # torchrun's environment, read here at the edge
+    trainer = Trainer.from_config(settings, cluster)
+    if cfg.bench.enabled and cfg.bench.skip_oversubscribed:
+        reason = oversubscription(trainer.topology, trainer.workers, settings.threads)
+        if reason:
             print(f"skipped: {reason}", flush=True)
             summary = {"config": resolved, "machine": machine, "skipped": reason}
             _write_json_atomically(out / "summary.json", summary)
             return summary
-        trainer_settings.update(max_steps=cfg.bench.warmup + cfg.bench.steps, measure_after=cfg.bench.warmup,
-                                checkpoint_dir=None)  # a benchmark job has nothing worth resuming
-    if cfg.profile:
-        trainer_settings["profile_dir"] = str(out)
-    if cfg.trainer.resume:
-        _check_resume_config(cfg, resolved)
-    data = load_datasets(cfg.dataset)
-    log.info("data: %s (%d train, %d test, shape %s)", data.source, len(data.train), len(data.test),
-             list(data.sample_shape))
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model.name, data.sample_shape, data.num_classes,
-                         **({"hidden": tuple(cfg.model.hidden)} if cfg.model.hidden else {}))
-    cluster = Cluster.from_env(os.environ)  # torchrun's environment, read here at the edge
     if cluster is not None:
         log.info("node %d of %d (rendezvous %s:%d); gloo between nodes binds to %s", cluster.node_rank,
                  cluster.nodes, cluster.master_addr, cluster.master_port,
                  f"interface {cluster.interface}" if cluster.interface else "the address of this host's name "
                  "(set GLOO_SOCKET_IFNAME to choose an interface)")
-    trainer = Trainer(cluster=cluster, **trainer_settings)
-    step_batch = cfg.trainer.batch_size * cfg.trainer.accumulate
+    data = load_datasets(cfg.dataset)
+    log.info("data: %s (%d train, %d test, shape %s)", data.source, len(data.train), len(data.test),
+             list(data.sample_shape))
+    torch.manual_seed(settings.seed)
+    model = build_model(cfg.model.name, data.sample_shape, data.num_classes,
+                        **({"hidden": tuple(cfg.model.hidden)} if cfg.model.hidden else {}))
+    step_batch = settings.batch_size * settings.accumulate
     _, total_steps = trainer.steps(len(data.train))
-    log.info("training %s: %d workers x %d threads, batch %d (%.1f per worker), %d steps, lr %.4g",
-             cfg.model.name, trainer.workers, cfg.trainer.threads, cfg.trainer.batch_size,
-             cfg.trainer.batch_size / trainer.workers, total_steps, effective_lr(cfg.optim, step_batch))
+    placement = trainer.placement
+    log.info("training %s: %d workers x %d threads%s, batch %d (%.1f per worker), %d steps, lr %.4g",
+             cfg.model.name, placement.workers, placement.threads,
+             f" on each of {placement.nodes} nodes" if placement.nodes > 1 else "", settings.batch_size,
+             settings.batch_size / placement.global_workers, total_steps, effective_lr(cfg.optim, step_batch))
     progress = ProgressLog(out, total_steps)
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
@@ -85,6 +88,9 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "threads": result.threads,
         "batch_size": result.batch_size,
         "channels_last": result.channels_last,
+        "comm": result.comm,
+        "precision": result.precision,
+        "plan": result.plan,
         "steps": result.steps,
         "measured_steps": result.measured_steps,
         "train_seconds": result.train_seconds,
@@ -93,6 +99,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "final_loss": result.final_loss,
         "test_loss": result.eval_loss,
         "test_accuracy": result.eval_accuracy,
+        "eval_error": result.eval_error,
         "peak_memory_bytes": result.peak_memory_bytes,
         "skipped_steps": result.skipped_steps,
         "restarts": result.restarts,
@@ -106,31 +113,23 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     return summary
 
 
-def _check_resume_config(cfg: RunConfig, resolved: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint written for another model or dataset."""
-    path = checkpoint.resolve(cfg.trainer.resume, cfg.trainer.checkpoint_dir)
-    saved = checkpoint.load(path).get("config") or {}
-    for section in ("model", "dataset"):
-        theirs = (saved.get(section) or {}).get("name")
-        mine = resolved[section]["name"]
-        if theirs is not None and theirs != mine:
-            raise ConfigError(f"{path} was written for {section}={theirs}, this run has {section}={mine}; "
-                              f"resume with {section}={theirs} or start afresh without resume")
-
-
 def _process_hygiene() -> dict[str, int]:
-    """What this process holds after a run: must not grow from one job of a sweep to the next."""
+    """What this process holds after a run: must not grow from one job of a sweep to the next.
+
+    ``child_processes`` leaves out multiprocessing's two helpers, its resource tracker and the
+    fork server, which live as long as this process and start no more of themselves.
+    """
     me = psutil.Process()
     shm = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else -1
-    return {"open_fds": me.num_fds(), "child_processes": len(me.children(recursive=True)), "dev_shm_entries": shm}
-
-
-def _oversubscribed(cfg: RunConfig, physical_cores: int) -> str | None:
-    workers = cfg.trainer.workers
-    if workers == "auto" or workers * cfg.trainer.threads <= physical_cores:
-        return None
-    return (f"workers x threads = {workers} x {cfg.trainer.threads} exceeds the {physical_cores} "
-            "physical cores this process may use")
+    children = []
+    for child in me.children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if not ("resource_tracker" in command or ("forkserver" in command and child.ppid() == me.pid)):
+            children.append(child)
+    return {"open_fds": me.num_fds(), "child_processes": len(children), "dev_shm_entries": shm}
 
 
 def _writable_dir(path: str | os.PathLike) -> Path:

@@ -1,41 +1,61 @@
-"""The public API: ``Trainer(...).fit(model, dataset)`` trains with W pinned worker processes."""
+"""The public API: ``Trainer(...).fit(model, dataset)`` trains with W pinned worker processes.
+
+The Trainer resolves every setting once into a frozen ``Plan`` (workers, pinning, reducer,
+precision, layout, shards, steps), checks the user's code on one micro-batch, starts the
+workers, writes their checkpoints, restarts them after a failure, and reports what ran.
+"""
 from __future__ import annotations
 
 import functools
 import io
 import logging
+import os
 import pickle
-import signal
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from . import checkpoint
 from .checkpoint import CheckpointDir
-from .config import ConfigError, TrainerConfig
+from .config import TrainerConfig
 from .data.batching import check_sample, share_dataset
+from .data.sampler import slice_bounds, steps_per_epoch
+from .engine import state
+from .engine.batchnorm import max_channels
+from .engine.board import Board
 from .engine.cluster import Cluster
 from .engine.comm import SHM_SAFE, ShmBuffers
-from .engine.launch import WorkerFailed, launch
-from .engine.signals import graceful_stop
-from .engine.shared import FlatOrder, SharedParams
+from .engine.launch import Heartbeats, Watchdog, launch, unpack, warm_up
+from .engine.layout import FlatLayout, trainable_parameters
+from .engine.objective import Objective
+from .engine.plan import Placement, Plan
+from .engine.shared import SharedParams
+from .engine.signals import StopFlags, graceful_stop
 from .engine.topology import auto_workers, plan_pinning, read_topology
-from .engine.worker import PHASES, STOP_REQUESTED, Job, StepPlan, WorkerSpec, run_worker
+from .engine.worker import PHASES, Job, WorkerSpec, run_worker
+from .errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerFailed
+from .optim import Groups, resolve_groups, shard_kind
+from .preflight import rehearse
 from .report.machine import bf16_supported
 from .report.memory import PeakMemory
 
 log = logging.getLogger(__name__)
 
+RUN_FACTS = ("batch_size", "accumulate", "seed", "drop_last", "dataset_size")  # a resume must agree with them
+
 
 @dataclass
 class FitResult:
-    """What a training run measured. Seconds per phase are averaged over the workers."""
+    """What a training run measured and what it ran with. Seconds per phase are averaged over the workers."""
 
     samples_per_sec: float
     per_worker_batch: float
@@ -50,33 +70,20 @@ class FitResult:
     peak_memory_bytes: int
     eval_loss: float | None = None
     eval_accuracy: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)  # every eval_* the last evaluation gave
+    eval_error: str | None = None  # evaluation failed (the training is kept); its traceback
     history: list[dict[str, Any]] = field(default_factory=list)
     cpu_percent_per_core: list[float] = field(default_factory=list)  # system-wide, over the measured steps
     skipped_steps: int = 0  # updates left out for a non-finite loss or gradient (on_nan="skip")
     restarts: int = 0
     last_checkpoint: str | None = None
     channels_last: bool = False  # the layout the run used (channels_last=auto decides per model)
+    comm: str = "local"  # the reducer that ran (comm=auto decides at start-up)
+    precision: str = "fp32"  # what ran (bf16 falls back to fp32 where the CPU has no native bf16)
+    plan: dict[str, Any] = field(default_factory=dict)  # everything the run was resolved to
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGINT or SIGTERM stopped the run after a whole step; ``checkpoint`` resumes it."""
-
-    def __init__(self, signum: int, step: int, checkpoint_path):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint_path
-        where = f"checkpoint {checkpoint_path}" if checkpoint_path else "no checkpoint (set checkpoint_dir to keep one)"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {where}")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient became non-finite; no update was applied for that step."""
-
-    def __init__(self, step: int):
-        self.step = step
-        super().__init__(f"loss or gradient became non-finite at step {step} (no update applied, no checkpoint "
-                         "written); lower the learning rate, set clip_grad_norm, or use on_nan=skip")
 
 
 class _TensorFreePickler(pickle.Pickler):
@@ -84,16 +91,6 @@ class _TensorFreePickler(pickle.Pickler):
 
     def persistent_id(self, obj):
         return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) else None
-
-
-def has_conv2d_weights(model: nn.Module) -> bool:
-    """Whether channels_last=auto turns the layout on: the model has a trainable 4-d weight.
-
-    For convolutions, oneDNN runs channels-last fastest on CPUs, and pooling over NCHW takes a
-    slow path: LeNet and cifar10_quick step 1.6-1.7x faster on one core in fp32 on the
-    development machine (scripts/layout.py).
-    """
-    return any(p.dim() == 4 for p in model.parameters() if p.requires_grad)
 
 
 def _check_sendable(obj: Any, what: str) -> None:
@@ -104,6 +101,18 @@ def _check_sendable(obj: Any, what: str) -> None:
             f"{what} cannot be sent to a worker process ({exc}); define its classes and functions "
             "at module level (no lambdas, local classes or open files)"
         ) from None
+
+
+def channels_last_helps(model: nn.Module) -> bool:
+    """``channels_last=auto``: on for models with convolution (4-d) weights and no batch norm.
+
+    oneDNN runs channels-last convolutions and pooling fastest on CPUs (results/.../layout.md);
+    with batch norm the measured gain does not pay for its less accurate reductions there
+    (results/.../batchnorm.md).
+    """
+    has_conv = any(p.dim() == 4 for p in model.parameters() if p.requires_grad)
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return has_conv and not has_bn
 
 
 class Trainer:
@@ -120,69 +129,139 @@ class Trainer:
 
     def __init__(self, cluster: Cluster | None = None, **settings: Any):
         """``settings`` are TrainerConfig's fields; ``cluster`` joins nodes under torchrun
-        (``Cluster.from_env(os.environ)``), None trains on this node alone."""
+        (``Cluster.from_env(os.environ)``), None trains on this node alone.
+
+        Raises:
+            ConfigError: a bad setting, before anything starts.
+        """
         self.config = TrainerConfig(**settings)
         self.cluster = cluster
         self.topology = read_topology()
-        threads = self.config.threads
-        self.workers = (auto_workers(self.topology, threads) if self.config.workers == "auto"
-                        else self.config.workers)
-        nodes = cluster.nodes if cluster else 1
-        if self.config.batch_size < self.workers * nodes:
-            raise ConfigError(f"batch_size={self.config.batch_size} is smaller than workers={self.workers}"
+        self.placement = self._place()
+        warm_up(self.config.start_method)  # the fork server imports torch while this process goes on
+        # Shared with the workers for all of this Trainer's runs: a stop request outlives restarts.
+        self._stop = StopFlags.allocate()
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig, cluster: Cluster | None = None) -> "Trainer":
+        return cls(cluster=cluster, **asdict(config))
+
+    @property
+    def workers(self) -> int:
+        return self.placement.workers
+
+    def _place(self) -> Placement:
+        """Workers, pinning, the reducer and the precision this machine gives for the settings."""
+        cfg, nodes = self.config, self.cluster.nodes if self.cluster else 1
+        workers = auto_workers(self.topology, cfg.threads) if cfg.workers == "auto" else cfg.workers
+        if cfg.batch_size < workers * nodes:
+            raise ConfigError(f"batch_size={cfg.batch_size} is smaller than workers={workers}"
                               f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
                               "sample; raise batch_size or lower workers")
-        self.precision = self.config.precision
-        if self.precision == "bf16" and not bf16_supported():
-            log.warning("precision=bf16 asked for, but this CPU has no native bfloat16 (avx512_bf16 or AMX); "
-                        "training in fp32 instead, which is faster here than emulated bf16")
-            self.precision = "fp32"
-        self.comm = self.config.comm
-        if self.comm == "shm" and not SHM_SAFE:
-            log.warning("comm=shm relies on x86-64's store ordering; using gloo on this CPU instead")
-            self.comm = "gloo"
-        elif self.comm == "auto" and not SHM_SAFE:
-            self.comm = "gloo"
-        # Shared with the workers: the launcher sets STOP_REQUESTED on SIGINT/SIGTERM.
-        self._control = torch.zeros(2, dtype=torch.int64).share_memory_()
+        notes = []
+        precision = cfg.precision
+        if precision == "bf16" and not bf16_supported():
+            notes.append("precision=bf16 asked for, fp32 ran: this CPU has no native bfloat16 (avx512_bf16 or AMX), "
+                         "and emulated bf16 is slower here than fp32")
+            precision = "fp32"
+        comm = cfg.comm
+        if workers == 1:
+            comm = "local"
+        elif comm in ("shm", "auto") and not SHM_SAFE:
+            if comm == "shm":
+                notes.append("comm=shm asked for, gloo ran: the shared-memory barrier relies on x86-64's store order")
+            comm = "gloo"
+        for note in notes:
+            log.warning(note)
+        return Placement(workers=workers, threads=cfg.threads,
+                         pinning=tuple(plan_pinning(self.topology, workers, cfg.threads)), nodes=nodes,
+                         node_rank=self.cluster.node_rank if self.cluster else 0, comm=comm, reduce=cfg.reduce,
+                         bucket_kb=cfg.bucket_kb, precision=precision, notes=tuple(notes))
+
+    def steps(self, num_samples: int) -> tuple[int, int]:
+        """Optimizer steps per epoch and in all, for a training set of ``num_samples``.
+
+        Raises:
+            ConfigError: the set is smaller than one step's batch (with drop_last).
+        """
+        cfg = self.config
+        per_epoch = steps_per_epoch(num_samples, cfg.batch_size, cfg.accumulate, cfg.drop_last)
+        if per_epoch == 0:
+            raise ConfigError(f"train_set has {num_samples} samples, fewer than one step's batch of "
+                              f"batch_size x accumulate = {cfg.batch_size * cfg.accumulate}; lower batch_size "
+                              "or set drop_last=false")
+        return per_epoch, cfg.max_steps if cfg.max_steps is not None else cfg.epochs * per_epoch
+
+    # --- fit -----------------------------------------------------------------------------------
 
     def fit(
         self,
         model: nn.Module,
         train_set: Dataset,
         eval_set: Dataset | None = None,
-        optimizer: Callable[..., torch.optim.Optimizer] = functools.partial(torch.optim.SGD, lr=0.01),
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         on_log: Callable[[dict[str, Any]], None] | None = None,
         run_config: dict[str, Any] | None = None,
+        step_fn: Callable[[nn.Module, Any], Any] | None = None,
+        metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
+        param_groups: Callable[[nn.Module], Any] | None = None,
     ) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
         Args:
-            optimizer: called as ``optimizer(params)``; its update must be elementwise
-                (SGD, Adam, AdamW, RMSprop...), as each worker steps only its shard.
-            loss_fn: ``loss_fn(outputs, targets)`` giving the batch's mean loss; default
+            optimizer: called as ``optimizer(params)`` with a list of tensors, or with groups
+                (``param_groups``); default SGD(lr=0.01), or the class of the optimizer
+                ``param_groups`` returned.
+            loss_fn: ``loss_fn(model(inputs), targets)`` for (inputs, targets) batches; default
                 cross-entropy.
             scheduler: called as ``scheduler(optimizer)``; stepped once per optimizer step.
             on_log: called here, in this process, with each progress record.
-            run_config: plain data stored in every checkpoint (the CLI's resolved config).
+            run_config: plain data stored in every checkpoint (the CLI's resolved config); a
+                resume refuses a checkpoint whose model or dataset name differs from it.
+            step_fn: ``step_fn(model, batch)`` returning the loss (a per-sample mean) or
+                ``(loss_sum, count)``; ``batch`` is what the dataset yields, collated.
+            metric_fn: ``metric_fn(model, batch)`` returning ``{name: value or (sum, count)}``,
+                reported as ``eval_<name>``.
+            param_groups: ``param_groups(model)`` returning torch.optim groups (or an
+                optimizer built from them); called here, once.
         Raises:
-            ConfigError: bad arguments or checkpoint, before any process starts.
-            WorkerFailed: a worker raised or died (after max_restarts restarts); all workers
-                are gone by then.
+            ConfigError: bad arguments, before any process starts.
+            CheckpointError: a checkpoint to resume from cannot be used.
+            UserCodeError: the model, step, loss, metric or optimizer failed on a first micro-batch.
+            WorkerFailed: a worker raised, died or hung (after max_restarts restarts).
             TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
-        cfg = self.config
-        loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-        check_sample(train_set, "train_set")
+        cfg, placement = self.config, self.placement
+        objective = _objective(loss_fn, step_fn, metric_fn)
+        check_sample(train_set, "train_set", objective.pairs)
         if eval_set is not None:
-            check_sample(eval_set, "eval_set")
-        steps_per_epoch, total_steps = self.steps(len(train_set))
+            check_sample(eval_set, "eval_set", objective.pairs)
+        per_epoch, total_steps = self.steps(len(train_set))
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
                               "lower it or train longer")
+        trainable = [p for _, p in trainable_parameters(model)]
+        if not trainable:
+            raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
+        groups = resolve_groups(model, trainable, param_groups)
+        optimizer = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+        for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
+                          (optimizer, "the optimizer factory"), (scheduler, "the scheduler factory"),
+                          (groups.options, "the parameter groups' options"), (train_set, "train_set"),
+                          (eval_set, "eval_set")):
+            _check_sendable(obj, what)
+        channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
+        rehearsal = rehearse(model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
+                             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective,
+                             optimizer, groups, placement.precision, channels_last)
+        objective.eval_keys = rehearsal.eval_keys
+        kind = shard_kind(rehearsal.optimizer_class, cfg.shards)
+        self._check_combinations(kind, len(train_set))
+        layout = FlatLayout(model, placement.workers, channels_last, kind)
+
         leader = self.cluster is None or self.cluster.is_leader  # only the global leader writes checkpoints
         directory = CheckpointDir(cfg.checkpoint_dir, cfg.checkpoint_keep) if cfg.checkpoint_dir and leader else None
         if directory is not None:
@@ -194,84 +273,102 @@ class Trainer:
                 # torchrun restarted every node after a failure: all go on from the last checkpoint
                 # in the (shared) checkpoint directory.
                 resume_from = CheckpointDir(cfg.checkpoint_dir).latest()
+        facts = {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "seed": cfg.seed,
+                 "drop_last": cfg.drop_last, "dataset_size": len(train_set)}
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        writer = _CheckpointWriter(directory, layout, groups, facts, run_config)
         history: list[dict[str, Any]] = []
         restarts = 0
-        while True:
-            saved = self._load_checkpoint(resume_from, model, total_steps) if resume_from else None
-            plan = self._plan(model, total_steps, steps_per_epoch, evaluate_each_epoch=eval_set is not None,
-                              start_step=saved["step"] if saved else 0, checkpointing=directory is not None)
-            collector = (checkpoint.Collector(self.workers, sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                              directory, run_config, FlatOrder(model, plan.channels_last).to_contiguous)
-                         if directory else None)
+        self._stop.reset()
 
-            def relay(rank: int, message: tuple) -> None:
-                if message[0] == "progress":
-                    history.append(message[1])
-                    if on_log is not None:
-                        on_log(message[1])
-                elif message[0] == "checkpoint" and collector is not None:
-                    path = collector.add(message[1], message[2])
-                    if path is not None:
-                        log.info("checkpoint: %s", path)
+        def relay(rank: int, message: tuple) -> None:
+            if message[0] == "progress":
+                history.append(message[1])
+                if on_log is not None:
+                    on_log(message[1])
+            elif message[0] == "checkpoint":
+                writer.add(rank, message[1], message[2])
 
-            try:
-                with graceful_stop(self._control, STOP_REQUESTED) as received:
-                    results, peak = self._run(model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay,
-                                              resume=saved)
-                break
-            except WorkerFailed as failure:
-                if restarts >= cfg.max_restarts:
-                    raise
-                restarts += 1
-                latest = directory.latest() if directory else None
-                log.warning("%s\nrestart %d of %d, from %s", failure, restarts, cfg.max_restarts,
-                            latest or resume_from or "the initial parameters")
-                if latest is not None:
-                    resume_from = latest
-                elif resume_from is None:
-                    model.load_state_dict(initial_state)
+        with graceful_stop(self._stop):
+            while True:
+                resume = self._resume(resume_from, model, layout, groups, total_steps, facts, run_config) \
+                    if resume_from else None
+                plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
+                            drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
+                            total_steps=total_steps, start_step=resume["step"] if resume else 0,
+                            clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan, channels_last=channels_last,
+                            shards=kind, sync_batchnorm=cfg.sync_batchnorm, log_every=cfg.log_every,
+                            eval_batch_size=cfg.eval_batch_size, evaluate_each_epoch=eval_set is not None,
+                            measure_after=cfg.measure_after, checkpointing=directory is not None,
+                            checkpoint_every_steps=cfg.checkpoint_every_steps,
+                            checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
+                            profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
+                try:
+                    results, peak = self._run(model, layout, train_set, eval_set, objective, optimizer, groups,
+                                              scheduler, plan, relay, resume)
+                    break
+                except WorkerFailed as failure:
+                    if self._stop.signal:  # asked to stop: a restart would resurrect the run
+                        raise TrainingInterrupted(self._stop.signal, None, writer.last_saved) from failure
+                    if restarts >= cfg.max_restarts:
+                        raise
+                    restarts += 1
+                    latest = directory.latest() if directory else None
+                    log.warning("%s\nrestart %d of %d, from %s", failure, restarts, cfg.max_restarts,
+                                latest or resume_from or "the initial parameters")
+                    if latest is not None:
+                        resume_from = latest
+                    elif resume_from is None:
+                        model.load_state_dict(initial_state)
+                    self._stop.clear_for_restart()
         lead = results[0]
         if lead["diverged_at"] is not None:
             raise TrainingDiverged(lead["diverged_at"])
         if lead["stopped_at"] is not None:
-            raise TrainingInterrupted(received[0] if received else signal.SIGTERM, lead["stopped_at"],
-                                      collector.last_saved if collector else None)
-        samples = lead["measured_steps"] * cfg.batch_size * cfg.accumulate
+            raise TrainingInterrupted(self._stop.signal or signal.SIGTERM, lead["stopped_at"], writer.last_saved)
+        if lead.get("eval_error"):
+            log.warning("evaluation failed; the trained model is kept:\n%s", lead["eval_error"])
+        measured_from = max(cfg.measure_after, plan.start_step)
+        samples = plan.samples(measured_from, measured_from + lead["measured_steps"])
+        eval_metrics = {k: v for k, v in lead.items() if k.startswith("eval_") and k != "eval_error"}
         return FitResult(
             samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
-            per_worker_batch=cfg.batch_size / (self.workers * (self.cluster.nodes if self.cluster else 1)),
+            per_worker_batch=plan.per_worker_batch,
             steps=total_steps,
             measured_steps=lead["measured_steps"],
             final_loss=lead["final_loss"],
-            workers=self.workers,
-            threads=cfg.threads,
+            workers=placement.workers,
+            threads=placement.threads,
             batch_size=cfg.batch_size,
             train_seconds=lead["train_seconds"],
             phase_seconds={p: sum(r["phase_seconds"][p] for r in results) / len(results) for p in PHASES},
             peak_memory_bytes=max(peak, sum(r["pss_bytes"] for r in results)),
             eval_loss=lead.get("eval_loss"),
             eval_accuracy=lead.get("eval_accuracy"),
+            eval_metrics=eval_metrics,
+            eval_error=lead.get("eval_error"),
             history=history,
             cpu_percent_per_core=lead["cpu_percent_per_core"],
             skipped_steps=lead["skipped_steps"],
             restarts=restarts,
-            last_checkpoint=str(collector.last_saved) if collector and collector.last_saved else None,
-            channels_last=plan.channels_last,
+            last_checkpoint=str(writer.last_saved) if writer.last_saved else None,
+            channels_last=channels_last,
+            comm=lead["comm"],
+            precision=placement.precision,
+            plan=plan.summary(lead["comm"]),
         )
 
-    def steps(self, num_samples: int) -> tuple[int, int]:
-        """Optimizer steps per epoch and in all, for a training set of ``num_samples``.
-
-        Raises:
-            ConfigError: the set is smaller than one step's batch.
-        """
-        cfg = self.config
-        steps_per_epoch = num_samples // (cfg.batch_size * cfg.accumulate)
-        if steps_per_epoch == 0:
-            raise ConfigError(f"train_set has {num_samples} samples, fewer than one step's batch of "
-                              f"batch_size x accumulate = {cfg.batch_size * cfg.accumulate}")
-        return steps_per_epoch, cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+    def _check_combinations(self, kind: str, dataset_size: int) -> None:
+        cfg, workers = self.config, self.placement.global_workers
+        if kind == "tensors" and self.placement.comm != "local" and cfg.reduce == "reduce_scatter":
+            raise ConfigError("reduce=reduce_scatter needs elementwise shards (equal slices), and this optimizer "
+                              "needs whole tensors; use reduce=all_reduce")
+        if cfg.sync_batchnorm and not cfg.drop_last:
+            rest = dataset_size % (cfg.batch_size * cfg.accumulate) % cfg.batch_size
+            if 0 < rest < workers:
+                raise ConfigError(f"sync_batchnorm with drop_last=false: the last micro-batch of an epoch has "
+                                  f"{rest} samples, fewer than the {workers} workers, and every worker must take "
+                                  "part in each batch norm; set drop_last=true or change batch_size")
 
     def _agree_with_other_nodes(self) -> None:
         """Every node must run the same number of workers: the shards and the batch split depend on it."""
@@ -283,65 +380,151 @@ class Trainer:
                 raise ConfigError(f"node {node} runs {theirs} workers, this node {self.workers}: every node needs "
                                   "the same workers=... (set it explicitly rather than auto)")
 
-    def _load_checkpoint(self, path, model: nn.Module, total_steps: int) -> dict[str, Any]:
+    def _resume(self, path, model: nn.Module, layout: FlatLayout, groups: Groups, total_steps: int,
+                facts: dict[str, Any], run_config: dict[str, Any] | None) -> dict[str, Any]:
+        """Load a checkpoint once, check it fits this run, and cut it into each worker's share."""
         saved = checkpoint.load(path)
+        _check_same_run(saved, path, facts, run_config, self.config.resume_strict)
         checkpoint.check_model(saved, model, path)
         if saved["step"] >= total_steps:
             raise ConfigError(f"{path} is at step {saved['step']}, and this run has {total_steps} steps: nothing "
                               "left to train; raise epochs or max_steps to go on")
-        if len(saved["rng"]) != self.workers:
+        same_streams = len(saved["rng"]) == self.workers and self.cluster is None
+        if not same_streams:
             log.warning("%s was written by %d workers, this run has %d: parameters and optimizer state resume "
                         "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]),
                         self.workers)
         model.load_state_dict(saved["model"])
+        optimizer = checkpoint.optimizer_state(saved, [(s.name, s.shape) for s in layout.slots])
         log.info("resuming from %s (step %d)", path, saved["step"])
-        return saved
+        return {"step": saved["step"],
+                "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, groups.slot_groups) if optimizer else {},
+                           "rng": saved["rng"][rank] if same_streams else None} for rank in range(self.workers)]}
 
-    def evaluate(self, model: nn.Module, dataset: Dataset,
-                 loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, float]:
-        """Exact mean loss (and accuracy, for class-index targets) of ``model`` over ``dataset``."""
-        check_sample(dataset, "dataset")
-        plan = self._plan(model, 0, 1, evaluate_only=True)
-        loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-        results, _ = self._run(model, None, dataset, None, None, loss_fn, plan, None)
-        return results[0]
+    # --- evaluate ------------------------------------------------------------------------------
 
-    def _plan(self, model: nn.Module, total_steps: int, steps_per_epoch: int, **flags: bool) -> StepPlan:
-        cfg = self.config
-        channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else has_conv2d_weights(model)
-        return StepPlan(batch_size=cfg.batch_size, accumulate=cfg.accumulate, total_steps=total_steps,
-                        steps_per_epoch=steps_per_epoch, seed=cfg.seed, clip_grad_norm=cfg.clip_grad_norm,
-                        comm=self.comm, reduce=cfg.reduce, bucket_kb=cfg.bucket_kb, precision=self.precision,
-                        channels_last=channels_last, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
-                        measure_after=cfg.measure_after, profile_dir=cfg.profile_dir, profile_steps=cfg.profile_steps,
-                        checkpoint_every_steps=cfg.checkpoint_every_steps,
-                        checkpoint_every_epochs=cfg.checkpoint_every_epochs, on_nan=cfg.on_nan, **flags)
-
-    def _run(self, model, train_set, eval_set, optimizer, scheduler, loss_fn, plan, relay, target=run_worker,
-             resume=None):
-        for obj, what in ((model, "the model"), (loss_fn, "loss_fn"), (optimizer, "the optimizer factory"),
-                          (scheduler, "the scheduler factory"), (train_set, "train_set"), (eval_set, "eval_set")):
+    def evaluate(self, model: nn.Module, dataset: Dataset, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 step_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
+        cfg, placement = self.config, self.placement
+        objective = _objective(loss_fn, step_fn, metric_fn)
+        check_sample(dataset, "dataset", objective.pairs)
+        for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
+                          (dataset, "dataset")):
             _check_sendable(obj, what)
-        pinning = plan_pinning(self.topology, self.workers, self.config.threads)
-        self._control.zero_()
-        rendezvous_dir = tempfile.mkdtemp(prefix="sn_trainer-")  # mode 0700, removed below
-        shared = SharedParams(model, self.workers, channels_last=plan.channels_last)
+        channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
+        rehearsal = rehearse(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size), objective, None,
+                             Groups(None, ()), placement.precision, channels_last)
+        objective.eval_keys = rehearsal.eval_keys
+        layout = FlatLayout(model, placement.workers, channels_last)
+        plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=1, seed=cfg.seed, drop_last=True,
+                    dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
+                    eval_batch_size=cfg.eval_batch_size, evaluate_only=True, worker_timeout=cfg.worker_timeout)
+        results, _ = self._run(model, layout, None, dataset, objective, None, Groups(None, (0,) * len(layout.slots)),
+                               None, plan, None, None)
+        return {k: v for k, v in results[0].items() if k != "comm"}
+
+    # --- one launch of the workers -------------------------------------------------------------
+
+    def _run(self, model, layout: FlatLayout, train_set, eval_set, objective, optimizer, groups: Groups, scheduler,
+             plan: Plan, relay, resume, target=run_worker):
+        placement = plan.placement
+        rendezvous_dir = _rendezvous_dir()
+        shared = SharedParams(model, layout)
         try:
             for dataset in (train_set, eval_set):
                 if dataset is not None:
                     share_dataset(dataset)
-            job = Job(model=model, flat=shared.flat, numel=shared.numel, train_set=train_set, eval_set=eval_set,
-                      optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, plan=plan,
-                      losses=torch.zeros(2, self.workers, 2, dtype=torch.float64).share_memory_(),
-                      shm=(ShmBuffers.allocate(self.workers, shared.flat.numel(), shared.flat.dtype)
-                           if plan.comm in ("shm", "auto") and self.workers > 1 else None),
-                      control=self._control, resume=resume)
-            specs = [WorkerSpec(rank=r, world_size=self.workers, cpus=pinning[r], threads=self.config.threads,
-                                store_path=f"{rendezvous_dir}/store", job=job, cluster=self.cluster)
-                     for r in range(self.workers)]
+            heartbeats = Heartbeats.allocate(placement.workers)
+            shm = None
+            if placement.comm in ("shm", "auto"):
+                width = 2 * max_channels(model) + 1 if plan.sync_batchnorm else 8
+                shm = ShmBuffers.allocate(placement.workers, layout.padded_numel, shared.flat.dtype, width)
+            job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train_set=train_set, eval_set=eval_set,
+                      objective=objective, optimizer=optimizer, group_options=groups.options,
+                      slot_groups=groups.slot_groups, scheduler=scheduler,
+                      board=Board.allocate(placement.workers, len(layout.slots)), stop=self._stop,
+                      heartbeats=heartbeats, shm=shm)
+            specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
+                                resume=resume["ranks"][r] if resume else None, cluster=self.cluster)
+                     for r in range(placement.workers)]
             peak = PeakMemory()
-            results = launch(target, specs, on_message=relay, on_tick=peak)
+            where = f"node {self.cluster.node_rank} " if self.cluster else ""
+            results = launch(target, specs, on_message=relay, stop=self._stop, where=where,
+                             watchdog=Watchdog(heartbeats, plan.worker_timeout, on_tick=peak),
+                             start_method=self.config.start_method)
             return results, peak.peak_bytes
         finally:
             SharedParams.release(model)
             shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def _objective(loss_fn, step_fn, metric_fn) -> Objective:
+    if loss_fn is not None and step_fn is not None:
+        raise ConfigError("give loss_fn or step_fn, not both: step_fn computes the loss itself")
+    return Objective(loss_fn, step_fn, metric_fn)
+
+
+def _check_same_run(saved: dict[str, Any], path, facts: dict[str, Any], run_config: dict[str, Any] | None,
+                    strict: bool) -> None:
+    """Refuse (or, not strict, warn about) a checkpoint of another model, dataset or sample order."""
+    if run_config:
+        for section in ("model", "dataset"):
+            theirs = ((saved.get("config") or {}).get(section) or {}).get("name")
+            mine = (run_config.get(section) or {}).get("name")
+            if theirs is not None and mine is not None and theirs != mine:
+                raise CheckpointError(f"{path} was written for {section}={theirs}, this run has {section}={mine}; "
+                                      f"resume with {section}={theirs} or start afresh without resume")
+    for key in RUN_FACTS:
+        theirs = (saved.get("run") or {}).get(key)
+        if theirs is not None and theirs != facts[key]:
+            what = "training-set size" if key == "dataset_size" else key
+            message = (f"{path} was written with {what} {theirs}, this run has {facts[key]}: the samples of each "
+                       "step would differ from the run it continues")
+            if strict:
+                raise CheckpointError(f"{message}; resume with {key}={theirs}, or set resume_strict=false to go on "
+                                      "anyway")
+            log.warning("%s (resume_strict=false: going on)", message)
+
+
+class _CheckpointWriter:
+    """In the launcher: gathers every worker's part of a checkpoint and writes it when complete."""
+
+    def __init__(self, directory: CheckpointDir | None, layout: FlatLayout, groups: Groups, facts: dict[str, Any],
+                 config: dict[str, Any] | None):
+        self.directory, self.layout, self.groups, self.facts, self.config = directory, layout, groups, facts, config
+        self._parts: dict[int, dict[int, dict[str, Any]]] = {}
+        self.last_saved: Path | None = None
+
+    def add(self, rank: int, step: int, data: bytes) -> None:
+        parts = self._parts.setdefault(step, {})
+        parts[rank] = unpack(data)
+        if self.directory is None or len(parts) < self.layout.world_size:
+            return
+        del self._parts[step]
+        ordered = [parts[r] for r in range(self.layout.world_size)]
+        optimizer = None
+        if any(p["optimizer"] is not None for p in ordered):
+            optimizer = state.gather([p["optimizer"] for p in ordered], self.layout, self.groups.slot_groups)
+        saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
+                                 {**self.facts, "workers": self.layout.world_size}, self.config)
+        self.last_saved = self.directory.save(saved)
+        log.info("checkpoint: %s", self.last_saved)
+
+
+def _rendezvous_dir() -> str:
+    """A private temporary directory for the workers' rendezvous, named after this process.
+
+    One left by a launcher that was SIGKILLed (no chance to remove it) is removed here, by the
+    next run: its name says whose it was, and that process is gone.
+    """
+    base = Path(tempfile.gettempdir())
+    for stale in base.glob("sn_trainer-*-*"):
+        try:
+            pid = int(stale.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not psutil.pid_exists(pid) and stale.stat().st_uid == os.getuid():
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from sn_trainer.data.batching import fetch_batch
 from sn_trainer.data.sampler import GlobalBatches
 
 
@@ -49,6 +50,81 @@ def reference_fit(model, dataset, batch_size, steps, seed, optimizer, scheduler=
     return model
 
 
+def plain_fit(model, dataset, batch_size, steps, seed, optimizer, loss, scheduler=None, drop_last=True):
+    """Plain PyTorch, written as its users write it, over the global batches sn_trainer splits.
+
+    ``optimizer(model)`` builds the optimizer (groups and all); ``loss(model, batch)`` is the
+    batch's loss. Gradients are set to None between steps, as ``zero_grad()`` does.
+    """
+    batches = GlobalBatches(len(dataset), batch_size, 1, seed, drop_last)
+    opt = optimizer(model)
+    sched = scheduler(opt) if scheduler else None
+    model.train()
+    for step in range(steps):
+        epoch, in_epoch = divmod(step, batches.steps_per_epoch)
+        batch = fetch_batch(dataset, batches.indices(epoch, in_epoch, 0))
+        opt.zero_grad()
+        loss(model, batch).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return model
+
+
+def global_batches_of(n, batch_size, seed):
+    """The sample indices of each step (first epoch): ``of(step)``."""
+    batches = GlobalBatches(n, batch_size, 1, seed)
+    return lambda step: batches.indices(0, step, 0)
+
+
+def assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only transformer in nanoGPT's shape: tied embeddings, forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self, vocab: int = 11, block: int = 8, embd: int = 16, heads: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, embd)
+        self.wpe = nn.Embedding(block, embd)
+        self.ln1 = nn.LayerNorm(embd)
+        self.qkv = nn.Linear(embd, 3 * embd, bias=False)  # a key bias has a zero gradient: noise AdamW would amplify
+        self.proj = nn.Linear(embd, embd)
+        self.ln2 = nn.LayerNorm(embd)
+        self.mlp = nn.Sequential(nn.Linear(embd, 4 * embd), nn.GELU(), nn.Linear(4 * embd, embd))
+        self.ln_f = nn.LayerNorm(embd)
+        self.head = nn.Linear(embd, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.heads = heads
+
+    def forward(self, idx, targets=None):
+        n, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=2)
+        shape = (n, t, self.heads, x.shape[-1] // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, -1))
+        x = x + self.mlp(self.ln2(x))
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+
+def token_dataset(n: int = 48, block: int = 8, vocab: int = 11, seed: int = 1, pad_fraction: float = 0.0):
+    """Windows of tokens and their next tokens; a share of the targets set to -1 (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, block + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    if pad_fraction:
+        targets[torch.rand(targets.shape, generator=g) < pad_fraction] = -1
+    return TensorDataset(tokens[:, :-1].contiguous(), targets)
+
+
 class Bomb(nn.Module):
     """Wraps a model; on its ``at_call``-th forward, the first worker to get there fails.
 
@@ -77,15 +153,17 @@ class Bomb(nn.Module):
 
 
 def live_children() -> list[psutil.Process]:
-    """This process's descendants, less multiprocessing's resource tracker.
+    """This process's descendants, less multiprocessing's resource tracker and fork server.
 
-    The tracker is one per parent, started with the first spawned process and kept for reuse;
-    it belongs to this (test) process, not to any run.
+    Both are one per parent, started with the first worker and kept for reuse; they belong to
+    this (test) process, not to any run. The fork server's children, the workers, do count.
     """
     kids = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            command = " ".join(child.cmdline())
+            helper = "resource_tracker" in command or ("forkserver" in command and child.ppid() == os.getpid())
+            if not helper:
                 kids.append(child)
         except psutil.NoSuchProcess:
             continue
@@ -94,6 +172,7 @@ def live_children() -> list[psutil.Process]:
 
 def probe_replica(spec, send):
     """A worker target that inspects its replica instead of training (see test_shared_memory)."""
+    from sn_trainer.engine.board import StepTotals
     from sn_trainer.engine.worker import Replica
 
     replica = Replica(spec)
@@ -102,7 +181,7 @@ def probe_replica(spec, send):
     report = {
         "storages": sorted({p.untyped_storage().data_ptr() for p in params}) == [flat_pointer],
         "all_shared": all(p.is_shared() for p in params),
-        "shard_size": replica.shard.size,
+        "shard_size": replica.layout.shards[spec.rank].size,
     }
     replica.reducer.barrier()
     if spec.rank == 1:
@@ -111,11 +190,12 @@ def probe_replica(spec, send):
     replica.reducer.barrier()
     report["seen"] = params[0].view(-1)[0].item()  # rank 0 sees rank 1's write
     replica.reducer.barrier()
-    replica.grad_flat.fill_(1.0)
-    replica.update(replica.reducer.reduce())
+    replica.reducer.grad_flat.fill_(1.0)
+    replica.reducer.reduce()
+    replica.update(StepTotals(loss_sum=0.0, count=1.0, finite=True, unused=()))
     replica.reducer.barrier()
-    state = replica.optimizer.state[replica.shard_param]
-    report["state_numel"] = sum(t.numel() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    report["state_numel"] = sum(t.numel() for state in replica.optimizer.state.values() for t in state.values()
+                                if torch.is_tensor(t) and t.dim() > 0)
     replica.close()
     return report
 

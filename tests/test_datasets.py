@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from sn_trainer.config import ConfigError, DatasetConfig
+from sn_trainer.config import DatasetConfig
+from sn_trainer.errors import ConfigError, DataError
 from sn_trainer.data import datasets
 from sn_trainer.data.datasets import load_datasets, random_crop_flip, read_idx
 
@@ -55,7 +56,7 @@ def test_torchvision_layout_under_root(tmp_path):
 
 def test_not_found_names_all_three_ways(tmp_path, monkeypatch):
     monkeypatch.setitem(datasets.DEBIAN_ROOTS, "fashion_mnist", str(tmp_path / "no-debian-package"))
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(DataError) as caught:
         load_datasets(DatasetConfig(name="fashion_mnist", root=str(tmp_path)))
     message = str(caught.value)
     assert "dataset.root=" in message and "apt-get install dataset-fashion-mnist" in message
@@ -82,10 +83,10 @@ def test_truncated_idx_is_a_clear_error(tmp_path):
     write_mnist_files(tmp_path)
     path = tmp_path / "train-images-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(gzip.decompress(path.read_bytes())[:-100]))
-    with pytest.raises(ConfigError, match="is not a readable IDX file"):
+    with pytest.raises(DataError, match="is not a readable IDX file"):
         load_datasets(DatasetConfig(name="mnist", root=str(tmp_path)))
     (tmp_path / "junk").write_bytes(b"not an idx file at all")
-    with pytest.raises(ConfigError, match="not a readable IDX file"):
+    with pytest.raises(DataError, match="not a readable IDX file"):
         read_idx(tmp_path / "junk")
 
 
@@ -109,7 +110,7 @@ def test_cifar10_pickle_batches(tmp_path):
 
 
 def test_cifar10_missing_says_how_to_get_it(tmp_path):
-    with pytest.raises(ConfigError, match="cifar-10-batches-py/data_batch_1..5 and test_batch"):
+    with pytest.raises(DataError, match="cifar-10-batches-py/data_batch_1..5 and test_batch"):
         load_datasets(DatasetConfig(name="cifar10", root=str(tmp_path)))
 
 

@@ -21,6 +21,6 @@ def test_forward_shape(name, shape, classes, params):
 
 
 def test_unknown_model_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown model 'lenet5'; choose one of lenet, cifar10_quick, mlp or a "
-                                          r"torchvision classification model \(alexnet"):
+    with pytest.raises(ConfigError, match=r"unknown model 'lenet5'; choose one of lenet, cifar10_quick, "
+                                          r"cifar10_quick_bn, mlp or a torchvision classification model \(alexnet"):
         build_model("lenet5", (1, 28, 28), 10)

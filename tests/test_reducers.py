@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from sn_trainer.engine.comm import GlooReducer
-from sn_trainer.engine.shared import attach_gradients, shard_bounds
+from sn_trainer.engine.layout import FlatLayout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,10 +16,10 @@ def three_layers():
 
 def watched(tmp_path, holder: nn.Module) -> GlooReducer:
     """A reducer in a world of one (the sum is the gradient itself), one layer per bucket."""
-    numel = sum(p.numel() for p in holder.parameters())
-    reducer = GlooReducer(str(tmp_path / "store"), 0, 1, shard_bounds(numel, 1)[0], numel, torch.float32)
-    attach_gradients(holder, reducer.grad_flat, channels_last=False)
-    reducer.watch(list(holder.parameters()), backward_passes=1, bucket_bytes=256)
+    layout = FlatLayout(holder, world_size=1)
+    reducer = GlooReducer(str(tmp_path / "store"), 0, 1, layout.shards[0], layout.numel, torch.float32)
+    layout.attach_gradients(holder, reducer.grad_flat)
+    reducer.watch(layout.parameters(holder), layout, backward_passes=1, bucket_bytes=256)
     return reducer
 
 

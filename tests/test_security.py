@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from helpers import SmallConvNet, tiny_dataset
-from sn_trainer import ConfigError, Trainer
+from sn_trainer import CheckpointError, DataError, Trainer
 from sn_trainer import checkpoint
 from sn_trainer.config import DatasetConfig
 from sn_trainer.data.datasets import load_datasets
@@ -65,10 +65,10 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     target = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
     torch.save({"format": "sn_trainer-checkpoint", "version": 1, "payload": Payload(target)}, path)
-    with pytest.raises(ConfigError, match="would run code or build arbitrary objects"):
+    with pytest.raises(CheckpointError, match="would run code or build arbitrary objects"):
         checkpoint.load(path)
     assert not target.exists()
-    with pytest.raises(ConfigError, match="would run code"):
+    with pytest.raises(CheckpointError, match="would run code"):
         Trainer(workers=1, batch_size=4, max_steps=2, resume=str(path)).fit(SmallConvNet(), tiny_dataset())
     assert not target.exists()
 
@@ -81,7 +81,7 @@ def test_a_cifar_batch_that_would_run_code_is_refused(tmp_path):
     for name in [f"data_batch_{i}" for i in range(1, 6)]:
         (folder / name).write_bytes(pickle.dumps(good))
     (folder / "test_batch").write_bytes(pickle.dumps({**good, b"labels": Payload(target)}))
-    with pytest.raises(ConfigError, match="not a readable CIFAR-10 batch"):
+    with pytest.raises(DataError, match="not a readable CIFAR-10 batch"):
         load_datasets(DatasetConfig(name="cifar10", root=str(tmp_path)))
     assert not target.exists()
 

@@ -6,7 +6,11 @@ import torch
 
 from helpers import SmallConvNet, probe_replica, tiny_dataset
 from sn_trainer import Trainer
-from sn_trainer.engine.shared import FlatOrder, SharedParams, shard_bounds
+from sn_trainer.engine.layout import FlatLayout
+from sn_trainer.engine.objective import Objective
+from sn_trainer.engine.plan import Plan
+from sn_trainer.engine.shared import SharedParams
+from sn_trainer.optim import Groups
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -16,10 +20,12 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
     model = SmallConvNet()
     numel = sum(p.numel() for p in model.parameters())
     trainer = Trainer(workers=2, threads=1, batch_size=8, max_steps=1)
-    plan = trainer._plan(model, 1, 1)
+    layout = FlatLayout(model, world_size=2)
+    plan = Plan(placement=trainer.placement, batch_size=8, accumulate=1, seed=0, drop_last=True, dataset_size=84,
+                steps_per_epoch=10, total_steps=1)
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    reports, _ = trainer._run(model, tiny_dataset(), None, sgd, None, torch.nn.CrossEntropyLoss(), plan, None,
-                              target=probe_replica)
+    reports, _ = trainer._run(model, layout, tiny_dataset(), None, Objective(), sgd,
+                              Groups(None, (0,) * len(layout.slots)), None, plan, None, None, target=probe_replica)
     assert all(r["storages"] and r["all_shared"] for r in reports)
     assert [r["seen"] for r in reports] == [42.0, 42.0]
     # Optimizer state: one momentum buffer per shard, adding up to the parameters, once.
@@ -30,23 +36,41 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
     assert not any(p.is_shared() for p in model.parameters())  # handed back as private memory
 
 
-def test_shards_cover_the_parameters_exactly():
+def vector(numel):
+    return torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(numel))])
+
+
+def test_elementwise_shards_cover_the_parameters_exactly():
     for numel in (1, 5, 97, 1000):
         for world in (1, 2, 3, 7):
-            shards = shard_bounds(numel, world)
+            shards = FlatLayout(vector(numel), world).shards
             assert sum(s.size for s in shards) == numel
             assert shards[0].start == 0 and shards[-1].stop == numel
             assert len({s.padded_size for s in shards}) == 1
 
 
-def test_flat_order_converts_channels_last_state_to_contiguous_and_back():
+def test_whole_tensor_shards_are_runs_of_whole_parameters_balanced_by_size():
+    sizes = [50, 10, 10, 30, 5, 5, 40]
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
+    layout = FlatLayout(model, 3, shards="tensors")
+    bounds = {0, *[sum(sizes[:i + 1]) for i in range(len(sizes))]}
+    assert all(s.start in bounds and s.stop in bounds for s in layout.shards)
+    assert [s.size for s in layout.shards] == [50, 50, 50]  # the best split of these sizes into 3 runs
+    assert sum(len(layout.pieces(r)) for r in range(3)) == len(sizes)
+    assert all(piece.whole for r in range(3) for piece in layout.pieces(r))
+    few = FlatLayout(torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(4))]), 3, shards="tensors")
+    assert [s.size for s in few.shards] == [4, 0, 0]  # more workers than tensors: some update nothing
+
+
+def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_back():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4, 2))
-    contiguous = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    shared = SharedParams(model, world_size=1, channels_last=True)
-    order = FlatOrder(model, channels_last=True)
-    laid_out = shared.flat[: shared.numel]
-    assert not torch.equal(laid_out, contiguous)  # a 3-channel weight really is permuted
-    assert torch.equal(order.to_contiguous(laid_out), contiguous)
-    assert torch.equal(order.to_flat(contiguous), laid_out)
-    assert FlatOrder(model, channels_last=False).to_flat(contiguous) is contiguous
+    contiguous = [p.detach().clone() for p in model.parameters()]
+    layout = FlatLayout(model, world_size=1, channels_last=True)
+    shared = SharedParams(model, layout)
+    stored = shared.flat[: layout.slots[0].numel]
+    assert not torch.equal(stored, contiguous[0].reshape(-1))  # a 3-channel weight really is permuted
+    assert torch.equal(layout.to_logical(0, stored), contiguous[0])
+    assert torch.equal(layout.to_stored(0, contiguous[0]), stored)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    SharedParams.release(model)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError, DatasetConfig
+from ..config import DatasetConfig
+from ..errors import ConfigError, DataError
 
 DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TORCHVISION_DIRS = {"fashion_mnist": "FashionMNIST", "mnist": "MNIST"}
@@ -31,9 +32,9 @@ class ImageTensorDataset(Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: list[float], std: list[float],
                  num_classes: int, augment: bool = False, crop_padding: int = 4):
         if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ConfigError(f"images must be a uint8 tensor [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
+            raise DataError(f"images must be a uint8 tensor [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
         if len(images) != len(labels):
-            raise ConfigError(f"{len(images)} images but {len(labels)} labels")
+            raise DataError(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels.long()
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255
@@ -90,7 +91,8 @@ def load_datasets(cfg: DatasetConfig) -> Splits:
     """Build the train and test sets that ``cfg`` names.
 
     Raises:
-        ConfigError: data not found (the message lists every way to provide it) or malformed.
+        ConfigError: an unknown dataset or a bad setting.
+        DataError: data not found (the message lists every way to provide it) or malformed.
     """
     loaders = {"fashion_mnist": _load_mnist_like, "mnist": _load_mnist_like, "cifar10": _load_cifar10,
                "synthetic": _load_synthetic, "folder": _load_folder}
@@ -123,7 +125,7 @@ def read_idx(path: Path) -> torch.Tensor:
         if len(data) != expected:
             raise ValueError(f"{len(data)} bytes, expected {expected} for shape {dims}")
     except (OSError, ValueError, struct.error, EOFError) as exc:
-        raise ConfigError(f"{path} is not a readable IDX file ({exc}); re-download or re-install it") from None
+        raise DataError(f"{path} is not a readable IDX file ({exc}); re-download or re-install it") from None
     array = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
     return torch.from_numpy(array.copy())
 
@@ -152,7 +154,7 @@ def _load_mnist_like(cfg: DatasetConfig):
     if directory is None and cfg.download:
         directory = _download_torchvision(cfg)
     if directory is None:
-        raise ConfigError(
+        raise DataError(
             f"{cfg.name} not found. Provide it one of three ways: dataset.root=<dir with the four IDX files> "
             f"(currently {cfg.root!r}); or install Debian's package "
             f"(apt-get install dataset-{cfg.name.replace('_', '-')}, files in {DEBIAN_ROOTS[cfg.name]}); "
@@ -163,7 +165,7 @@ def _load_mnist_like(cfg: DatasetConfig):
         images = read_idx(_find_idx(directory, images_stem))
         labels = read_idx(_find_idx(directory, labels_stem))
         if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
-            raise ConfigError(f"{directory}: {images_stem} has shape {tuple(images.shape)} and {labels_stem} "
+            raise DataError(f"{directory}: {images_stem} has shape {tuple(images.shape)} and {labels_stem} "
                               f"{tuple(labels.shape)}; expected [N, H, W] images and N labels")
         splits.append((images.unsqueeze(1), labels.long()))
     return splits[0], splits[1], 10, str(directory)
@@ -180,7 +182,7 @@ def _download_torchvision(cfg: DatasetConfig) -> Path | None:
         for train in (True, False):
             cls(cfg.root, train=train, download=True)
     except Exception as exc:  # noqa: BLE001 - network errors come in many types
-        raise ConfigError(f"downloading {cfg.name} into {cfg.root} failed: {exc}") from None
+        raise DataError(f"downloading {cfg.name} into {cfg.root} failed: {exc}") from None
     if cfg.name == "cifar10":
         return Path(cfg.root).expanduser()
     return _idx_directory(cfg)
@@ -227,7 +229,7 @@ def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
         return images, torch.tensor(labels, dtype=torch.long)
     except (OSError, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"{path} is not a readable CIFAR-10 batch ({exc}); re-download it") from None
+        raise DataError(f"{path} is not a readable CIFAR-10 batch ({exc}); re-download it") from None
 
 
 def _load_cifar10(cfg: DatasetConfig):
@@ -236,7 +238,7 @@ def _load_cifar10(cfg: DatasetConfig):
         _download_torchvision(cfg)
         directory = _cifar_directory(cfg)
     if directory is None:
-        raise ConfigError(
+        raise DataError(
             f"cifar10 not found under dataset.root={cfg.root!r}: it needs {CIFAR_DIR}/data_batch_1..5 and "
             "test_batch (torchvision's format); set dataset.root to the folder holding them, "
             "or add dataset.download=true to let torchvision download it there (needs internet)")
@@ -277,9 +279,9 @@ def _load_folder(cfg: DatasetConfig):
         try:
             folder = torchvision.datasets.ImageFolder(str(directory), transform=transform)
         except (FileNotFoundError, OSError) as exc:
-            raise ConfigError(f"{directory}: {exc}") from None
+            raise DataError(f"{directory}: {exc}") from None
         if len(folder) == 0:
-            raise ConfigError(f"{directory} holds no images")
+            raise DataError(f"{directory} holds no images")
         # ImageFolder's loader converts every image to RGB, so all come out [3, size, size].
         images = torch.stack([folder[i][0] for i in range(len(folder))])
         return (images, torch.tensor(folder.targets)), folder.classes
@@ -288,7 +290,7 @@ def _load_folder(cfg: DatasetConfig):
         train, classes = read(root / "train")
         test, test_classes = read(root / "test")
         if test_classes != classes:
-            raise ConfigError(f"{root}: train/ has classes {classes} but test/ has {test_classes}")
+            raise DataError(f"{root}: train/ has classes {classes} but test/ has {test_classes}")
     else:
         (images, labels), classes = read(root)
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(cfg.seed))

@@ -20,20 +20,26 @@ def slice_bounds(batch_size: int, world_size: int, rank: int) -> tuple[int, int]
     return start, start + base + (1 if rank < extra else 0)
 
 
+def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int, drop_last: bool) -> int:
+    step_batch = batch_size * accumulate
+    return num_samples // step_batch if drop_last else -(-num_samples // step_batch)
+
+
 class GlobalBatches:
     """Which samples form micro-batch ``micro`` of optimizer step ``step`` of ``epoch``.
 
     An optimizer step consumes ``accumulate`` consecutive micro-batches of ``batch_size``
-    samples, so ``accumulate=k`` with batch B/k covers the same samples as B with k=1.
-    The last incomplete global batch of an epoch is dropped.
+    samples, so ``accumulate=k`` with batch B/k covers the same samples as B with k=1. With
+    ``drop_last`` the last incomplete step of an epoch is left out; without, it trains on what
+    is left (its micro-batches may be short, or empty).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, accumulate: int, seed: int):
+    def __init__(self, num_samples: int, batch_size: int, accumulate: int, seed: int, drop_last: bool = True):
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.accumulate = accumulate
         self.seed = seed
-        self.steps_per_epoch = num_samples // (batch_size * accumulate)
+        self.steps_per_epoch = steps_per_epoch(num_samples, batch_size, accumulate, drop_last)
         self._epoch = -1
         self._order = torch.empty(0, dtype=torch.long)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 class ClusterError(ConfigError):

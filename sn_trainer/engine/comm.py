@@ -1,11 +1,7 @@
 """Collectives between the workers of one node: summing gradients into shards, and barriers.
 
-Every reducer owns the flat gradient buffer its worker's backward pass writes into
-(``grad_flat``), may follow the backward pass to start early (``watch``), sums this worker's own
-gradient before anything else is added to it (``local_sum``), turns the workers' buffers into
-this worker's summed shard (``reduce``), sums small tensors over the node's workers
-(``sum_in_node``) and over the nodes (``sum_across_nodes``), and synchronises (``barrier``).
-Three kinds inside a node, and one wrapper across nodes:
+Every reducer follows the ``Reducer`` protocol below. Three kinds inside a node, and one wrapper
+across nodes:
 
 - ``LocalReducer``: one worker, nothing to do;
 - ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter); with
@@ -24,11 +20,12 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .shared import Shard
+from .layout import FlatLayout, Shard
 
 # Spinning is the fastest wait while every worker has a core; past this many polls the waiter
 # yields its core, so that oversubscribed runs (workers > cores) still progress.
@@ -38,19 +35,48 @@ _SPINS_BEFORE_YIELD = 200
 SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")
 
 
+class Reducer(Protocol):
+    """How the workers of a run turn their gradients into summed shards, and synchronise."""
+
+    name: str
+    grad_flat: torch.Tensor  # this worker's gradient buffer: backward writes into it
+    shard_grad: torch.Tensor  # where reduce() leaves the summed gradient of this worker's shard
+
+    def watch(self, params: list[torch.Tensor], layout: FlatLayout, backward_passes: int, bucket_bytes: int) -> None:
+        """Follow the backward pass (``params`` in layout order), to start sending early where it can."""
+
+    def local_sum(self) -> float:
+        """The sum of this worker's own gradient, before anything is added to it."""
+
+    def reduce(self) -> torch.Tensor:
+        """Sum every worker's gradient; return ``shard_grad`` holding this worker's shard of the sum."""
+
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 tensor over this node's workers, in place."""
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the nodes, in place (nothing to do on one node)."""
+
+    def barrier(self) -> None:
+        """Return when every worker of the node has called it."""
+
+    def close(self) -> None:
+        ...
+
+
 @dataclass
 class ShmBuffers:
     """Shared tensors for ShmReducer, allocated once by the launcher for all workers."""
 
     grad_rows: torch.Tensor  # [world, padded numel]: row r is worker r's gradient buffer
     arrivals: torch.Tensor  # [world] int64: barrier generation each worker has reached
-    scratch: torch.Tensor  # [2, world, 8] float64: small all-reduces (norms, eval totals), double-buffered
+    scratch: torch.Tensor  # [2, world, width] float64: small all-reduces, double-buffered
 
     @classmethod
-    def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype) -> "ShmBuffers":
+    def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype, scratch_width: int = 8) -> "ShmBuffers":
         return cls(grad_rows=torch.zeros(world_size, padded_numel, dtype=dtype).share_memory_(),
                    arrivals=torch.zeros(world_size, dtype=torch.int64).share_memory_(),
-                   scratch=torch.zeros(2, world_size, 8, dtype=torch.float64).share_memory_())
+                   scratch=torch.zeros(2, world_size, max(8, scratch_width), dtype=torch.float64).share_memory_())
 
 
 def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.ProcessGroupGloo:
@@ -67,17 +93,17 @@ class LocalReducer:
     name = "local"
 
     def __init__(self, shard: Shard, padded_numel: int, dtype: torch.dtype):
-        self.shard = shard
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
+        self.shard_grad = self.grad_flat[shard.start : shard.stop]
 
-    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
         pass
 
     def local_sum(self) -> float:
         return self.grad_flat.sum().item()
 
     def reduce(self) -> torch.Tensor:
-        return self.grad_flat[self.shard.start : self.shard.stop]
+        return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -97,8 +123,6 @@ class GlooReducer:
 
     The group object is used directly rather than installed as torch.distributed's global
     default group: nothing else in the process can reach it, and two groups never collide.
-    all_reduce measured faster than gloo's reduce_scatter here (LeNet's 1.7 MB gradient, 2
-    workers: ~3.6 ms vs ~8.5 ms), so it is the default; both stay selectable.
     """
 
     name = "gloo"
@@ -112,23 +136,27 @@ class GlooReducer:
                                 dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"), timeout_s)
         self.shard, self.mode = shard, mode
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
-        self._recv = torch.empty(shard.padded_size, dtype=dtype)
+        if mode == "all_reduce":
+            self.shard_grad = self.grad_flat[shard.start : shard.stop]
+        else:
+            self._recv = torch.empty(shard.padded_size, dtype=dtype)
+            self.shard_grad = self._recv[: shard.size]
         self._buckets: list[_Bucket] = []
         self._next_bucket = 0
 
-    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
         """All-reduce each bucket of gradients as soon as the backward pass has filled it.
 
-        ``params`` are the parameters whose ``.grad`` are views of ``grad_flat``, in flat order;
         ``backward_passes`` is how many backward passes fill them per step (accumulate); a
         bucket closes at ``bucket_bytes`` or more (0: one all-reduce after the backward pass).
         """
         if self.mode != "all_reduce" or bucket_bytes <= 0:
             return
-        self._buckets = _buckets_in_backward_order(params, self.grad_flat, backward_passes, bucket_bytes, self.group)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, bucket))
+        for start, stop, slots in layout.bucket_spans(bucket_bytes, self.grad_flat.element_size()):
+            bucket = _Bucket(self.grad_flat[start:stop], backward_passes * len(slots), self.group)
+            self._buckets.append(bucket)
+            for index in slots:
+                params[index].register_post_accumulate_grad_hook(functools.partial(self._on_gradient, bucket))
 
     def _on_gradient(self, bucket: "_Bucket", _param: torch.Tensor) -> None:
         bucket.ready += 1
@@ -157,9 +185,9 @@ class GlooReducer:
                 self._next_bucket = 0
             else:
                 self.group.allreduce([self.grad_flat]).wait()
-            return self.grad_flat[self.shard.start : self.shard.stop]
-        self.group._reduce_scatter_base(self._recv, self.grad_flat).wait()
-        return self._recv[: self.shard.size]
+        else:
+            self.group._reduce_scatter_base(self._recv, self.grad_flat).wait()
+        return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([tensor]).wait()
@@ -178,8 +206,8 @@ class GlooReducer:
 class _Bucket:
     """A contiguous run of ``grad_flat`` (whole parameters), all-reduced in one collective."""
 
-    def __init__(self, params: list[torch.Tensor], grad: torch.Tensor, expected: int, group):
-        self.params, self.grad, self.group = params, grad, group
+    def __init__(self, grad: torch.Tensor, expected: int, group):
+        self.grad, self.group = grad, group
         self.expected = expected  # gradients accumulated into it per step: complete after that many
         self.ready, self._work, self._sum = 0, None, None
 
@@ -204,25 +232,6 @@ class _Bucket:
         self.ready, self._work, self._sum = 0, None, None
 
 
-def _buckets_in_backward_order(params, grad_flat: torch.Tensor, backward_passes: int, bucket_bytes: int,
-                               group) -> list[_Bucket]:
-    """Group parameters from the last to the first (the order backward fills them) into buckets."""
-    spans, offset = [], 0
-    for p in params:
-        spans.append((p, offset, offset + p.numel()))
-        offset += p.numel()
-    buckets, current, nbytes = [], [], 0
-    for span in reversed(spans):
-        current.append(span)
-        nbytes += span[0].numel() * grad_flat.element_size()
-        if nbytes >= bucket_bytes or span is spans[0]:
-            start, stop = current[-1][1], current[0][2]
-            buckets.append(_Bucket([p for p, _, _ in current], grad_flat[start:stop], backward_passes * len(current),
-                                   group))
-            current, nbytes = [], 0
-    return buckets
-
-
 class ShmReducer:
     """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
 
@@ -230,16 +239,15 @@ class ShmReducer:
 
     def __init__(self, buffers: ShmBuffers, rank: int, world_size: int, shard: Shard):
         self.rank, self.world_size, self.shard = rank, world_size, shard
-        self.rows = buffers.grad_rows
         self.grad_flat = buffers.grad_rows[rank]
         self._columns = buffers.grad_rows[:, shard.start : shard.stop]
-        self._recv = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
+        self.shard_grad = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
         self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us
         self._scratch = buffers.scratch
         self._generation = 0
         self._sums = 0
 
-    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
+    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
         pass  # summing waits for every row: nothing can start before the backward pass ends
 
     def local_sum(self) -> float:
@@ -247,8 +255,8 @@ class ShmReducer:
 
     def reduce(self) -> torch.Tensor:
         self.barrier()  # every row is complete
-        torch.sum(self._columns, dim=0, out=self._recv)
-        return self._recv
+        torch.sum(self._columns, dim=0, out=self.shard_grad)
+        return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         # Calls alternate between two scratch slots: a peer can write this slot again only two
@@ -285,15 +293,15 @@ class CrossNodeReducer:
     stay identical without ever being sent.
     """
 
-    name = "cross-node"
-
-    def __init__(self, local, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0):
+    def __init__(self, local: Reducer, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0):
         self.local = local
+        self.name = f"{local.name} in the node, gloo across {nodes} nodes"
         self.grad_flat = local.grad_flat
+        self.shard_grad = local.shard_grad
         self.group = gloo_group(store, node_rank, nodes, device, timeout_s)
 
-    def watch(self, params: list[torch.Tensor], backward_passes: int, bucket_bytes: int) -> None:
-        self.local.watch(params, backward_passes, bucket_bytes)
+    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
+        self.local.watch(params, layout, backward_passes, bucket_bytes)
 
     def local_sum(self) -> float:
         return self.local.local_sum()
@@ -318,7 +326,7 @@ class CrossNodeReducer:
         self.local.close()
 
 
-def calibrate(candidates: list, rounds: int = 8) -> list[float]:
+def calibrate(candidates: list[Reducer], rounds: int = 8) -> list[float]:
     """Median seconds per reduce + barrier over ``rounds`` for each reducer (same in all workers)."""
     timings = []
     for reducer in candidates:
@@ -335,19 +343,19 @@ def calibrate(candidates: list, rounds: int = 8) -> list[float]:
 
 
 def make_reducer(comm: str, rank: int, world_size: int, shard: Shard, padded_numel: int, dtype: torch.dtype,
-                 store_path: str, shm: ShmBuffers | None, reduce_mode: str = "all_reduce"):
-    """The reducer ``comm`` names; ``auto`` measures shm against gloo here and keeps the faster.
-
-    Every worker must call this with the same arguments but its own rank.
+                 store_path: str, shm: ShmBuffers | None, reduce_mode: str = "all_reduce",
+                 timeout_s: float = 300.0) -> Reducer:
+    """The reducer ``comm`` names (local, shm, gloo); ``auto`` measures shm against gloo here and
+    keeps the faster. Every worker must call this with the same arguments but its own rank.
     """
-    if world_size == 1:
+    if comm == "local":
         return LocalReducer(shard, padded_numel, dtype)
-    if comm == "gloo" or shm is None:
-        return GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode)
+    if comm == "gloo":
+        return GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode, timeout_s)
     shm_reducer = ShmReducer(shm, rank, world_size, shard)
     if comm == "shm":
         return shm_reducer
-    gloo_reducer = GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode)
+    gloo_reducer = GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode, timeout_s)
     shm_seconds, gloo_seconds = calibrate([shm_reducer, gloo_reducer])
     # Rank 0's measurement decides, so that every worker picks the same reducer.
     decision = torch.tensor([1.0 if shm_seconds <= gloo_seconds else 0.0] if rank == 0 else [0.0],

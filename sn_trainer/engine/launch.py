@@ -1,30 +1,84 @@
-"""Start worker processes, relay their messages, and tear every one of them down on any failure."""
+"""Start worker processes, relay their messages, watch that they progress, and tear every one down
+on any failure.
+
+Workers start warm: a fork server, started once per process (``warm_up``), imports torch and
+the worker's code, then forks a fresh worker for each one a run needs. The server itself never
+runs torch (no thread exists when it forks); each worker is new, pinned and sized for its run,
+and exits with it. ``start_method="spawn"`` starts each worker from a fresh interpreter instead.
+"""
 from __future__ import annotations
 
+import atexit
 import ctypes
+import io
+import multiprocessing.forkserver
 import os
 import signal
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+
+from ..errors import WorkerFailed
+from .signals import StopFlags, stop_on_signals
 
 _PR_SET_PDEATHSIG = 1
 
+PHASES = ("setup", "data", "forward", "backward", "reduce", "update", "wait", "eval", "sync", "checkpoint")
+# Phases in which a worker waits for its peers: one stuck there is a victim, not the cause.
+_WAITING = frozenset({"reduce", "wait", "sync", "setup"})
 
-class WorkerFailed(RuntimeError):
-    """A worker raised or died; the message names it and carries its traceback or signal."""
 
-    def __init__(self, rank: int, detail: str, others: list[tuple[int, str]] | None = None):
-        self.rank = rank
-        self.detail = detail
-        text = f"worker {rank} failed: {detail.rstrip()}"
-        for other_rank, other in others or []:
-            last = other.strip().splitlines()[-1] if other.strip() else "?"
-            text += f"\n(then worker {other_rank}: {last})"
-        super().__init__(text)
+def pack(obj: Any) -> bytes:
+    """Tensors and plain data as bytes: they cross the pipe by value, holding no shared memory."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class Heartbeats:
+    """Shared [workers, 3] float64: each worker's step, phase and when it entered that phase.
+
+    Workers write it as they move from phase to phase (a few stores a step); the launcher
+    reads it to tell a worker that stopped making progress, and where it stopped.
+    """
+
+    def __init__(self, block: torch.Tensor):
+        self.block = block
+        self._rows = block.numpy()  # numpy: a scalar store costs ~100 ns
+
+    @classmethod
+    def allocate(cls, workers: int) -> "Heartbeats":
+        block = torch.zeros(workers, 3, dtype=torch.float64).share_memory_()
+        block[:, 2] = time.monotonic()
+        return cls(block)
+
+    def __reduce__(self):
+        return (Heartbeats, (self.block,))
+
+    def beat(self, rank: int, step: int, phase: str) -> None:
+        row = self._rows[rank]
+        row[0], row[1], row[2] = step, PHASES.index(phase), time.monotonic()
+
+    def stalled(self, timeout_s: float) -> list[tuple[int, str]]:
+        """Workers without progress for ``timeout_s``, those not waiting for a peer first."""
+        now = time.monotonic()
+        stuck = [(rank, int(step), PHASES[int(phase)], now - since)
+                 for rank, (step, phase, since) in enumerate(self._rows.tolist()) if now - since > timeout_s]
+        if not stuck:
+            return []
+        causes = [s for s in stuck if s[2] not in _WAITING] or stuck
+        return [(rank, f"made no progress for {seconds:.0f} s (worker_timeout={timeout_s:g}), in step {step + 1}, "
+                       f"phase {phase}") for rank, step, phase, seconds in causes]
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -37,23 +91,77 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} before reporting a result"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this worker when its parent dies: no orphans, ever."""
+START_METHODS = ("forkserver", "spawn")
+
+
+def warm_up(start_method: str = "forkserver") -> None:
+    """Start the fork server now, so that it imports torch while this process does other work.
+
+    Its preload: this process's main module (as spawn would import it), the worker's code (and
+    with it torch), torchvision when this process uses it, and ``_forkserver_preload``.
+    """
+    if start_method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+        return
+    preload = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
+    if "torchvision" in sys.modules:
+        preload.append("torchvision")
+    mp.set_forkserver_preload(preload)  # takes effect when the server starts: once per process
+    multiprocessing.forkserver.ensure_running()
+    atexit.unregister(_stop_fork_server)  # once, however many runs
+    atexit.register(_stop_fork_server)
+
+
+def _stop_fork_server() -> None:
+    """At exit, end the fork server and reap it, rather than leave it to notice on its own."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):
+            pass
+
+
+def _context(start_method: str):
+    if start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        warm_up(start_method)
+        return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Ask the kernel to SIGKILL this worker when its parent dies: no orphans, ever.
+
+    The parent is the fork server (or, spawned, the launcher); the fork server exits as soon
+    as the launcher does, so either way a worker never outlives its launcher.
+    """
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the parent's teardown still applies
         pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent or not _alive(launcher_pid):  # gone before prctl took effect
         os._exit(1)
 
 
-def _bootstrap(target: Callable, payload: Any, conn: Connection, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
-    # The parent handles Ctrl-C for the whole run; a worker stopping on its own would only
-    # turn one clean shutdown into W tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _bootstrap(conn: Connection, launcher_pid: int) -> None:
+    _die_with_launcher(launcher_pid)
+    try:
+        # The job comes through the pipe, not as the process's arguments: its shared tensors are
+        # then handed over one descriptor at a time, however many a model has.
+        target, payload, stop = conn.recv()
+        if stop is not None:
+            stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
         result = target(payload, lambda message: conn.send(("message", message)))
         conn.send(("done", result))
     except BaseException:  # noqa: BLE001 - anything a worker raises is reported, then it exits
@@ -65,39 +173,56 @@ def _bootstrap(target: Callable, payload: Any, conn: Connection, parent_pid: int
         conn.close()
 
 
+class Watchdog:
+    """What the launcher checks while the workers run: progress (hang) and memory."""
+
+    def __init__(self, heartbeats: Heartbeats | None = None, timeout_s: float | None = None,
+                 on_tick: Callable[[list[int]], None] | None = None):
+        self.heartbeats, self.timeout_s, self.on_tick = heartbeats, timeout_s, on_tick
+
+
 def launch(
     target: Callable[[Any, Callable[[Any], None]], Any],
     payloads: list[Any],
     on_message: Callable[[int, Any], None] | None = None,
-    on_tick: Callable[[list[int]], None] | None = None,
+    watchdog: Watchdog | None = None,
+    stop: StopFlags | None = None,
+    where: str = "",
     tick_s: float = 1.0,
+    start_method: str = "forkserver",
 ) -> list[Any]:
-    """Run ``target(payload, send)`` in one spawned process per payload; return their results.
+    """Run ``target(payload, send)`` in one new process per payload; return their results.
 
-    ``send(message)`` in a worker delivers ``on_message(rank, message)`` here. ``on_tick`` is
-    called with the workers' pids about every ``tick_s`` seconds (memory sampling).
+    ``send(message)`` in a worker delivers ``on_message(rank, message)`` here. About every
+    ``tick_s`` seconds the watchdog gets the workers' pids (memory sampling) and checks their
+    heartbeats. ``where`` prefixes worker names in errors (the node, under torchrun).
 
     Raises:
-        WorkerFailed: as soon as one worker raises or dies; by then every worker is dead.
+        WorkerFailed: as soon as one worker raises, dies or hangs; by then every worker is dead.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     procs, conns = [], []
     try:
         for payload in payloads:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_bootstrap, args=(target, payload, writer, os.getpid()), daemon=True)
+            mine, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
             proc.start()
-            writer.close()
+            theirs.close()
             procs.append(proc)
-            conns.append(reader)
-        return _supervise(procs, conns, on_message, on_tick, tick_s)
+            conns.append(mine)
+        for conn, payload in zip(conns, payloads):
+            try:
+                conn.send((target, payload, stop))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # it died before reading its job: supervision reports how
+        return _supervise(procs, conns, on_message, watchdog or Watchdog(), tick_s, where)
     finally:
         _teardown(procs)
         for conn in conns:
             conn.close()
 
 
-def _supervise(procs, conns, on_message, on_tick, tick_s) -> list[Any]:
+def _supervise(procs, conns, on_message, watchdog: Watchdog, tick_s, where) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
     running = set(range(len(procs)))
@@ -128,11 +253,14 @@ def _supervise(procs, conns, on_message, on_tick, tick_s) -> list[Any]:
                 running.discard(rank)
                 if rank not in results and not any(r == rank for r, _ in failures):
                     failures.append((rank, describe_exit(procs[rank].exitcode)))
-        if on_tick is not None and running:
-            on_tick([procs[r].pid for r in running])
+        if running and not failures:
+            if watchdog.on_tick is not None:
+                watchdog.on_tick([procs[r].pid for r in running])
+            if watchdog.heartbeats is not None and watchdog.timeout_s is not None:
+                failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s))
     if failures:
         rank, detail = failures[0]
-        raise WorkerFailed(rank, detail, failures[1:])
+        raise WorkerFailed(rank, detail, failures[1:], where=where)
     return [results[r] for r in range(len(procs))]
 
 

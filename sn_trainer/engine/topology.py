@@ -111,6 +111,15 @@ def auto_workers(topology: Topology, threads: int) -> int:
     return max(1, topology.physical_cores // threads)
 
 
+def oversubscription(topology: Topology, workers: int, threads: int) -> str | None:
+    """Why ``workers`` x ``threads`` would share cores here, or None when each gets its own."""
+    need = workers * threads
+    if need <= topology.physical_cores:
+        return None
+    return (f"workers x threads = {workers} x {threads} = {need} exceeds the {topology.physical_cores} physical "
+            "cores available")
+
+
 def plan_pinning(topology: Topology, workers: int, threads: int) -> list[tuple[int, ...]]:
     """Give each worker ``threads`` physical cores of its own, one logical CPU per core.
 
@@ -121,14 +130,11 @@ def plan_pinning(topology: Topology, workers: int, threads: int) -> list[tuple[i
     Returns:
         For each worker, the logical CPUs to pin it to.
     """
-    need = workers * threads
     cores = topology.cores
-    if need > len(cores):
-        log.warning(
-            "workers x threads = %d x %d = %d exceeds the %d physical cores available: "
-            "workers will share cores and each will run slower; use workers=auto or fewer threads",
-            workers, threads, need, len(cores),
-        )
+    reason = oversubscription(topology, workers, threads)
+    if reason:
+        log.warning("%s: workers will share cores and each will run slower; use workers=auto or fewer threads",
+                    reason)
     plan = []
     for w in range(workers):
         chosen = [cores[(w * threads + t) % len(cores)].cpus[0] for t in range(threads)]

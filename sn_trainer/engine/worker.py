@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,94 +16,63 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..data.batching import fetch_batch
+from ..data.batching import fetch_batch, map_tensors
 from ..data.sampler import GlobalBatches, slice_bounds
-from ..checkpoint import shard_optimizer_state, worker_part
-from ..report.memory import pss_bytes
+from .batchnorm import synchronise
+from .board import Board, StepTotals
 from .cluster import Cluster
 from .comm import CrossNodeReducer, ShmBuffers, make_reducer
-from .shared import (FlatOrder, attach_gradients, bind_parameters, private_buffers, refresh_buffers, shard_bounds,
-                     shard_parameter, trainable_parameters)
+from .launch import Heartbeats, pack
+from .layout import FlatLayout
+from .objective import Objective, Precision
+from .plan import Plan
+from .shared import private_buffers, refresh_buffers
+from .signals import StopFlags
+from .state import group_params, optimizer_pieces
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
-STOP_REQUESTED, STOP_AT = 0, 1  # slots of Job.control
-
-
-@dataclass
-class StepPlan:
-    """What every worker needs to know to walk through the run in lockstep."""
-
-    batch_size: int
-    accumulate: int
-    total_steps: int
-    steps_per_epoch: int
-    seed: int
-    clip_grad_norm: float | None
-    comm: str  # auto, shm or gloo
-    reduce: str  # gloo's collective: all_reduce or reduce_scatter
-    bucket_kb: int  # gloo all_reduce: sent in buckets of this size during the backward pass; 0: after it
-    precision: str  # fp32 or bf16 (autocast; parameters and gradients stay fp32)
-    channels_last: bool
-    log_every: int
-    eval_batch_size: int
-    evaluate_each_epoch: bool = False  # and after the last step
-    evaluate_only: bool = False
-    measure_after: int = 0  # warm-up steps left out of samples/s and phase seconds
-    start_step: int = 0  # > 0 when resuming
-    checkpoint_every_steps: int | None = None
-    checkpoint_every_epochs: int | None = None
-    on_nan: str = "stop"  # or "skip": leave out the update of a step with a non-finite loss or gradient
-    checkpointing: bool = False  # send checkpoint parts to the launcher (on schedule, at the end, on stop)
-    profile_dir: str | None = None  # write a torch.profiler trace per worker here
-    profile_steps: int = 3
 
 
 @dataclass
 class Job:
     """Everything the workers share. Tensors in it live in shared memory: pickling sends handles."""
 
+    plan: Plan
     model: nn.Module
+    layout: FlatLayout
     flat: torch.Tensor
-    numel: int
     train_set: Dataset | None
     eval_set: Dataset | None
+    objective: Objective
     optimizer: Callable[..., torch.optim.Optimizer] | None
+    group_options: list[dict[str, Any]] | None  # None: the factory gets a plain list of tensors
+    slot_groups: tuple[int | None, ...]  # each parameter's group (None: not trained)
     scheduler: Callable[[torch.optim.Optimizer], Any] | None
-    loss_fn: Callable[..., torch.Tensor]
-    plan: StepPlan
-    # [2, world, 2] float64, double-buffered by step parity: each worker's weighted loss and the
-    # sum of its own gradient (non-finite if any element is), written before the reduce.
-    losses: torch.Tensor
-    control: torch.Tensor | None = None  # int64 [2]: STOP_REQUESTED (set by the launcher), STOP_AT
-    shm: ShmBuffers | None = None  # for comm=shm or auto
-    resume: dict[str, Any] | None = None  # optimizer, scheduler and RNG states of a checkpoint
+    board: Board
+    stop: StopFlags
+    heartbeats: Heartbeats
+    shm: ShmBuffers | None = None
 
 
 @dataclass
 class WorkerSpec:
     rank: int  # within the node
-    world_size: int  # workers in the node
-    cpus: tuple[int, ...]
-    threads: int
     store_path: str
     job: Job
+    resume: dict[str, Any] | None = None  # this worker's optimizer state and random state of a checkpoint
     cluster: Cluster | None = None  # several nodes under torchrun
-
-    @property
-    def global_rank(self) -> int:
-        return (self.cluster.node_rank if self.cluster else 0) * self.world_size + self.rank
-
-    @property
-    def global_world_size(self) -> int:
-        return (self.cluster.nodes if self.cluster else 1) * self.world_size
 
 
 @dataclass
 class PhaseTimer:
+    """Seconds per phase, and a heartbeat at every phase change."""
+
+    beat: Callable[[str], None]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     @contextmanager
     def __call__(self, phase: str):
+        self.beat(phase)
         start = time.perf_counter()
         yield
         self.seconds[phase] += time.perf_counter() - start
@@ -123,69 +94,139 @@ class Replica:
 
     def __init__(self, spec: WorkerSpec):
         job, plan = spec.job, spec.job.plan
-        self.rank, self.world_size = spec.rank, spec.world_size
-        self.job, self.plan = job, plan
-        self.model = job.model
-        bind_parameters(self.model, job.flat, plan.channels_last)
-        self.buffer_links = private_buffers(self.model) if self.rank != 0 else []
-        self.shard = shard_bounds(job.numel, spec.world_size)[spec.rank]
-        self.reducer = make_reducer(plan.comm, spec.rank, spec.world_size, self.shard, job.flat.numel(),
-                                    job.flat.dtype, spec.store_path, job.shm, plan.reduce)
-        self.cluster = spec.cluster
+        placement = plan.placement
+        self.job, self.plan, self.rank = job, plan, spec.rank
+        self.global_rank = placement.node_rank * placement.workers + spec.rank
+        self.global_workers = placement.global_workers
+        self.step = plan.start_step
+        self.model, self.layout, self.objective = job.model, job.layout, job.objective
+        self.precision, self.dtype = Precision(placement.precision), job.flat.dtype
+        self.layout.bind(self.model, job.flat)
+        self.params = self.layout.parameters(self.model)
+        self.buffer_links = private_buffers(self.model) if spec.rank != 0 else []
+
+        shard = self.layout.shards[spec.rank]
+        self.reducer = make_reducer(placement.comm, spec.rank, placement.workers, shard, self.layout.padded_numel,
+                                    self.dtype, spec.store_path, job.shm, placement.reduce, plan.worker_timeout)
         if spec.cluster is not None:
             self.reducer = CrossNodeReducer(self.reducer, spec.cluster.store(f"shard{spec.rank}"),
-                                            spec.cluster.node_rank, spec.cluster.nodes, spec.cluster.device())
-        self.global_rank, self.global_world_size = spec.global_rank, spec.global_world_size
-        self.grad_flat = self.reducer.grad_flat
-        attach_gradients(self.model, self.grad_flat, plan.channels_last)
-        self.reducer.watch(trainable_parameters(self.model), plan.accumulate, plan.bucket_kb * 1024)
-        self.shard_param = shard_parameter(job.flat, self.shard)
-        self.optimizer = None
-        self.scheduler = None
-        if job.optimizer is not None and self.shard_param is not None:
-            self.optimizer = job.optimizer([self.shard_param])
-            if job.scheduler is not None:
-                self.scheduler = job.scheduler(self.optimizer)
-        if job.resume is not None:
-            self.restore(job.resume)
+                                            spec.cluster.node_rank, spec.cluster.nodes, spec.cluster.device(),
+                                            plan.worker_timeout)
+        self.cluster = spec.cluster
+        self.layout.attach_gradients(self.model, self.reducer.grad_flat)
+        self.reducer.watch(self.params, self.layout, plan.accumulate, placement.bucket_kb * 1024)
+        self.used = torch.zeros(len(self.params), dtype=torch.float64)
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=index: self.used.__setitem__(i, 1.0))
+        if plan.sync_batchnorm:
+            synchronise(self.model, self.global_sum)
+
+        self.optimizer, self.scheduler = self._build_optimizer(spec.resume)
+        if spec.resume is not None and spec.resume.get("rng") is not None:
+            torch.set_rng_state(spec.resume["rng"])  # same workers: same random streams
         self.batches = None
         if job.train_set is not None:
-            self.batches = GlobalBatches(len(job.train_set), plan.batch_size, plan.accumulate, plan.seed)
-        # Every worker of every node takes its own slice of the same global batch.
-        self.slice = slice_bounds(plan.batch_size, spec.global_world_size, spec.global_rank)
-        # The share of the step's loss this worker carries: b_r / (B * accumulate). The sum of
-        # the workers' gradients is then exactly the gradient of the step's mean loss.
-        self.loss_weight = (self.slice[1] - self.slice[0]) / (plan.batch_size * plan.accumulate)
+            self.batches = GlobalBatches(plan.dataset_size, plan.batch_size, plan.accumulate, plan.seed, plan.drop_last)
 
-    def restore(self, saved: dict[str, Any]) -> None:
-        """Continue from a checkpoint: this shard's optimizer state, the schedule, the RNG."""
-        if self.optimizer is not None:
-            order = FlatOrder(self.model, self.plan.channels_last)
-            self.optimizer.load_state_dict(shard_optimizer_state(saved, self.shard.start, self.shard.stop, order.to_flat))
-            if self.scheduler is not None and saved["scheduler"] is not None:
-                self.scheduler.load_state_dict(saved["scheduler"])
-        if len(saved["rng"]) == self.world_size and self.cluster is None:  # same workers: same random streams
-            torch.set_rng_state(saved["rng"][self.rank])
+    def _build_optimizer(self, resume: dict[str, Any] | None):
+        """This shard's optimizer over its pieces, the run's groups, and a schedule at the run's step."""
+        job, shard = self.job, self.layout.shards[self.rank]
+        if job.optimizer is None:
+            return None, None
+        self._pieces = optimizer_pieces(self.layout, self.rank, job.slot_groups)
+        self._piece_params, self._piece_grads = [], []
+        for piece in self._pieces:
+            if piece.whole:
+                tensor, grad = self.layout.view(job.flat, piece.slot), self.layout.view(self.reducer.shard_grad,
+                                                                                        piece.slot, base=shard.start)
+            else:
+                tensor = job.flat[piece.start : piece.stop]
+                grad = self.reducer.shard_grad[piece.start - shard.start : piece.stop - shard.start]
+            self._piece_params.append(nn.Parameter(tensor))
+            self._piece_grads.append(grad)
+        optimizer = job.optimizer(group_params(self._piece_params, [p.slot for p in self._pieces],
+                                               job.group_options, job.slot_groups))
+        if resume is not None:
+            current = optimizer.state_dict()
+            optimizer.load_state_dict({"state": resume["optimizer"], "param_groups": current["param_groups"]})
+        scheduler = job.scheduler(optimizer) if job.scheduler is not None else None
+        if scheduler is not None and self.plan.start_step:
+            # The run's own schedule, fast-forwarded to where it resumes: only the step count
+            # comes from the checkpoint, so a resume with more epochs follows the longer schedule.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(self.plan.start_step):
+                    scheduler.step()
+        return optimizer, scheduler
 
-    def checkpoint_part(self) -> bytes:
-        return worker_part(self.rank, (self.shard.start, self.shard.stop), self.optimizer, self.scheduler,
-                           self.model if self.rank == 0 else None)
+    def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor over every worker of every node, in place."""
+        return self.reducer.sum_across_nodes(self.reducer.sum_in_node(tensor))
 
-    def micro_batch(self, epoch: int, step_in_epoch: int, micro: int):
-        indices = self.batches.indices(epoch, step_in_epoch, micro)[self.slice[0] : self.slice[1]]
-        return self.prepare(*fetch_batch(self.job.train_set, indices))
+    # --- one step ------------------------------------------------------------------------------
 
-    def prepare(self, inputs, targets):
-        if self.plan.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        return inputs, targets
+    def train_step(self, step: int, timer: PhaseTimer) -> StepTotals:
+        """One optimizer step, in every worker at once; the update is left out if anything is non-finite."""
+        plan = self.plan
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        # Cleared here, not after the update: with comm=shm, peers read this buffer until the
+        # previous step's closing barrier.
+        self.reducer.grad_flat.zero_()
+        self.used.zero_()
+        loss_sum = count = 0.0
+        for micro in range(plan.accumulate):
+            with timer("data"):
+                batch, samples = self.micro_batch(epoch, in_epoch, micro)
+            if samples == 0:
+                continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
+            with timer("forward"):
+                micro_loss, micro_count = self.objective.train_terms(self.model, batch, samples, self.precision,
+                                                                     self.dtype)
+            with timer("backward"):
+                micro_loss.backward()
+            loss_sum += micro_loss.item()
+            count += micro_count
+        with timer("reduce"):
+            self.job.board.publish(step, self.rank, loss_sum, count, self.reducer.local_sum(), self.used)
+            self.reducer.reduce()
+        totals = self.step_totals(step)
+        with timer("update"):
+            if totals.finite:
+                self.update(totals)
+        if self.rank == 0:
+            self.job.stop.decide(step + 1)  # before the barrier: all workers read the same decision
+        with timer("wait"):
+            self.reducer.barrier()  # nobody reads parameters that are still being written
+        return totals
 
-    def forward(self, inputs):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.plan.precision == "bf16"):
-            return self.model(inputs)
+    def micro_batch(self, epoch: int, in_epoch: int, micro: int) -> tuple[Any, int]:
+        """This worker's slice of a micro-batch, laid out for the model, and its size."""
+        indices = self.batches.indices(epoch, in_epoch, micro)
+        start, stop = slice_bounds(len(indices), self.global_workers, self.global_rank)
+        if start == stop:
+            return None, 0
+        return self.prepare(fetch_batch(self.job.train_set, indices[start:stop])), stop - start
 
-    def update(self, shard_grad: torch.Tensor) -> None:
-        """Clip by the global norm, then step this shard's optimizer (and schedule)."""
+    def prepare(self, batch: Any) -> Any:
+        if not self.plan.channels_last:
+            return batch
+        return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
+                           if t.dim() == 4 and t.is_floating_point() else t)
+
+    def step_totals(self, step: int) -> StepTotals:
+        totals = self.job.board.totals(step)
+        if self.cluster is not None:  # add the other nodes' losses, counts, checks and use counts
+            totals = self.reducer.sum_across_nodes(totals)
+        totals = Board.read(totals)
+        if self.objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
+            return StepTotals(math.nan, totals.count, False, totals.unused)
+        return totals
+
+    def update(self, totals: StepTotals) -> None:
+        """Divide by the global count, clip by the global norm, then step this shard's optimizer."""
+        shard_grad = self.reducer.shard_grad
+        if self.objective.divides:
+            shard_grad.div_(totals.count)
         if self.plan.clip_grad_norm is not None:
             sq = torch.zeros(1, dtype=torch.float64)
             sq += shard_grad.double().pow(2).sum() if shard_grad.numel() else 0.0
@@ -193,114 +234,100 @@ class Replica:
             coef = self.plan.clip_grad_norm / (total_norm + 1e-6)
             if coef < 1.0:
                 shard_grad.mul_(coef)
-        if self.optimizer is not None:
-            self.shard_param.grad = shard_grad
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+        if self.optimizer is None:
+            return
+        unused = set(totals.unused)
+        for piece, param, grad in zip(self._pieces, self._piece_params, self._piece_grads):
+            # A parameter no worker's backward reached: .grad None, as plain PyTorch leaves it,
+            # so the optimizer leaves it alone (no decay, no momentum, no step count).
+            param.grad = None if piece.slot in unused else grad
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
-    def publish(self, step: int, weighted_loss: float) -> None:
-        """Put this worker's loss and gradient check where its peers read them after the reduce."""
-        # One sum over the local gradient: inf or nan anywhere in it makes the sum non-finite
-        # (as does a sum beyond float32's range, which is divergence too).
-        self.job.losses[step % 2, self.rank] = torch.tensor([weighted_loss, self.reducer.local_sum()])
-
-    def outcome(self, step: int) -> tuple[float, bool]:
-        """The global batch's mean loss, and whether it and every worker's gradient are finite.
-
-        Read after the reduce: every worker of the node has published by then, and a peer
-        writes this parity again only after the next step's reduce, so all read the same.
-        Checking the workers' own gradients here, rather than the summed shards afterwards,
-        spares the step a round of synchronisation.
-        """
-        published = self.job.losses[step % 2]
-        totals = torch.tensor([published[:, 0].sum().item(), float((~torch.isfinite(published)).sum())],
-                              dtype=torch.float64)
-        if self.cluster is not None:  # add the other nodes' losses and non-finite counts
-            totals = self.reducer.sum_across_nodes(totals)
-        loss, non_finite = totals.tolist()
-        return loss, non_finite == 0 and math.isfinite(loss)
+    def loss(self, totals: StepTotals) -> float:
+        """The step's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""
+        return totals.loss_sum / totals.count if self.objective.divides and totals.count > 0 else totals.loss_sum
 
     def current_lr(self) -> float | None:
-        if self.optimizer is None:
+        if self.optimizer is None or not self.optimizer.param_groups:
             return None
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # --- evaluation and state ------------------------------------------------------------------
+
     @torch.no_grad()
-    def evaluate(self, dataset: Dataset) -> dict[str, float]:
-        """Exact loss and accuracy over the whole of ``dataset``, each worker taking a slice."""
+    def evaluate(self, dataset: Dataset, beat: Callable[[str], None]) -> dict[str, Any]:
+        """Exact loss and metrics over the whole of ``dataset``, each worker taking a slice.
+
+        A failure in any worker's evaluation is reported, not raised: the training is kept.
+        """
         self.model.eval()
         refresh_buffers(self.buffer_links)
-        start, stop = slice_bounds(len(dataset), self.global_world_size, self.global_rank)
-        per_item = getattr(self.job.loss_fn, "reduction", "mean") == "mean"
-        totals = torch.zeros(4, dtype=torch.float64)  # loss sum, correct, samples, classified
-        for lo in range(start, stop, self.plan.eval_batch_size):
-            indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
-            inputs, targets = self.prepare(*fetch_batch(dataset, indices))
-            outputs = self.forward(inputs).float()
-            loss = float(self.job.loss_fn(outputs, targets))
-            totals[0] += loss * len(indices) if per_item else loss
-            totals[2] += len(indices)
-            if outputs.dim() == 2 and not targets.is_floating_point():
-                totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
-                totals[3] += len(indices)
-        self.reducer.sum_across_nodes(self.reducer.sum_in_node(totals))
+        keys = self.objective.eval_keys
+        start, stop = slice_bounds(len(dataset), self.global_workers, self.global_rank)
+        sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
+        error = None
+        try:
+            for lo in range(start, stop, self.plan.eval_batch_size):
+                beat("eval")
+                indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
+                batch = self.prepare(fetch_batch(dataset, indices))
+                found = self.objective.eval_terms(self.model, batch, len(indices), self.precision, self.dtype)
+                for k, key in enumerate(keys):
+                    value_sum, value_count = found.get(key, (0.0, 0.0))
+                    sums[2 * k] += value_sum
+                    sums[2 * k + 1] += value_count
+                sums[-2] += len(indices)
+        except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet below
+            error = traceback.format_exc()
+            sums[-1] += 1
+        beat("sync")
+        self.global_sum(sums)
         self.model.train()
-        result = {"eval_loss": totals[0].item() / totals[2].item(), "eval_samples": int(totals[2].item())}
-        if totals[3] > 0:
-            result["eval_accuracy"] = totals[1].item() / totals[3].item()
+        if sums[-1] > 0:
+            return {"eval_error": error or "evaluation failed in another worker"}
+        result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
+        for k, key in enumerate(keys):
+            if sums[2 * k + 1] > 0:
+                result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item()
         return result
+
+    def state_part(self) -> bytes:
+        """What this worker contributes to a checkpoint: its optimizer's state, its random state
+        (and, from worker 0, the model's), as tensors and plain data."""
+        part = {"rank": self.rank, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "rng": torch.get_rng_state()}
+        if self.rank == 0:
+            part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
+                             for k, v in self.model.state_dict().items()}
+        return pack(part)
 
     def close(self) -> None:
         self.reducer.close()
 
 
+def own_pss() -> int:
+    """This process's proportional set size (shared pages count 1/k), or 0 where unknown."""
+    try:
+        return psutil.Process().memory_full_info().pss
+    except (psutil.Error, AttributeError):
+        return 0
+
+
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
     """The worker's whole life: set up, train (and/or evaluate), return what it measured."""
-    pin_and_set_threads(spec.cpus, spec.threads)
-    torch.manual_seed(spec.job.plan.seed * 1000 + spec.global_rank)
+    plan = spec.job.plan
+    spec.job.heartbeats.beat(spec.rank, plan.start_step, "setup")
+    pin_and_set_threads(plan.placement.pinning[spec.rank], plan.placement.threads)
+    torch.manual_seed(plan.seed * 1000 + plan.placement.node_rank * plan.placement.workers + spec.rank)
     replica = Replica(spec)
     try:
-        if spec.job.plan.evaluate_only:
-            return replica.evaluate(spec.job.eval_set)
+        if plan.evaluate_only:
+            return {**replica.evaluate(spec.job.eval_set, lambda phase: None), "comm": replica.reducer.name}
         return train(replica, send)
     finally:
         replica.close()
-
-
-def train_step(replica: Replica, timer: PhaseTimer, step: int) -> tuple[float, bool]:
-    """One optimizer step, in every worker at once.
-
-    Returns:
-        The global batch's mean loss, and whether loss and gradient were finite (when not,
-        the update was left out).
-    """
-    plan, job = replica.plan, replica.job
-    epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-    weighted_loss = 0.0
-    # Cleared here, not after the update: with comm=shm, peers read this buffer until the
-    # previous step's closing barrier.
-    replica.grad_flat.zero_()
-    for micro in range(plan.accumulate):
-        with timer("data"):
-            inputs, targets = replica.micro_batch(epoch, step_in_epoch, micro)
-        with timer("forward"):
-            micro_loss = job.loss_fn(replica.forward(inputs).float(), targets) * replica.loss_weight
-        with timer("backward"):
-            micro_loss.backward()
-        weighted_loss += micro_loss.item()
-    with timer("reduce"):
-        replica.publish(step, weighted_loss)
-        shard_grad = replica.reducer.reduce()
-    loss, finite = replica.outcome(step)
-    with timer("update"):
-        if finite:
-            replica.update(shard_grad)
-    if replica.rank == 0 and job.control[STOP_REQUESTED]:
-        job.control[STOP_AT] = step + 1  # published before the barrier: all workers stop together
-    with timer("wait"):
-        replica.reducer.barrier()  # nobody reads parameters that are still being written
-    return loss, finite
 
 
 class Profiler:
@@ -330,9 +357,13 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     """The training loop. Every worker runs it in lockstep; rank 0 also reports progress."""
     plan, job = replica.plan, replica.job
     reporting = replica.rank == 0
-    step_samples = plan.batch_size * plan.accumulate
+    step = plan.start_step
+
+    def beat(phase: str) -> None:
+        job.heartbeats.beat(replica.rank, step, phase)
+
     measure_from = max(plan.measure_after, plan.start_step)
-    timer = PhaseTimer()
+    timer = PhaseTimer(beat)
     profiler = Profiler(plan.profile_dir, measure_from, plan.profile_steps, replica.rank)
     eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
     skipped, stopped_at, diverged_at = 0, None, None
@@ -341,35 +372,37 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     replica.model.train()
     for step in range(plan.start_step, plan.total_steps):
         if step == measure_from:  # warm-up over (if any): measure from here
-            timer, eval_seconds = PhaseTimer(), 0.0
+            timer, eval_seconds = PhaseTimer(beat), 0.0
             started = time.perf_counter()
             psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
         profiler.before(step)
-        loss, finite = train_step(replica, timer, step)
+        totals = replica.train_step(step, timer)
         profiler.after(step)
+        loss = replica.loss(totals)
 
         done = step + 1
-        if not finite:  # every worker saw the same loss and gradient check: they agree
+        if not totals.finite:  # every worker saw the same loss and gradient check: they agree
             if plan.on_nan == "stop":
                 diverged_at = done
                 break
             skipped += 1
         end_of_epoch = done % plan.steps_per_epoch == 0
-        stopping = int(job.control[STOP_AT]) == done
-        if plan.checkpointing and (stopping or checkpoint_due(plan, done, end_of_epoch)):
-            send(("checkpoint", done, replica.checkpoint_part()))
+        stopping = job.stop.stops_after(done)
+        if plan.checkpointing and (stopping or plan.checkpoint_due(done)):
+            beat("checkpoint")
+            send(("checkpoint", done, replica.state_part()))
         if stopping:
             stopped_at = done
             break
         if reporting and (done % plan.log_every == 0 or end_of_epoch or done == plan.total_steps):
             now = time.perf_counter()
+            samples = (done - last_log_step) * plan.step_batch
             send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss,
-                               "lr": replica.current_lr(),
-                               "samples_per_sec": (done - last_log_step) * step_samples / (now - last_log_time)}))
+                               "lr": replica.current_lr(), "samples_per_sec": samples / (now - last_log_time)}))
             last_log_step, last_log_time = done, now
         if plan.evaluate_each_epoch and (end_of_epoch or done == plan.total_steps):
             eval_started = time.perf_counter()
-            eval_metrics = replica.evaluate(job.eval_set)
+            eval_metrics = replica.evaluate(job.eval_set, beat)
             eval_seconds += time.perf_counter() - eval_started
             last_log_time += time.perf_counter() - eval_started
             if reporting:
@@ -379,15 +412,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     if last > measure_from:
         cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
     profiler.stop()
-    return {"pss_bytes": pss_bytes(), "phase_seconds": timer.seconds, "measured_steps": last - measure_from,
+    return {"pss_bytes": own_pss(), "phase_seconds": timer.seconds, "measured_steps": last - measure_from,
             "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
             "cpu_percent_per_core": cpu_percent, "skipped_steps": skipped, "stopped_at": stopped_at,
-            "diverged_at": diverged_at, **eval_metrics}
-
-
-def checkpoint_due(plan: StepPlan, done: int, end_of_epoch: bool) -> bool:
-    if plan.checkpoint_every_steps and done % plan.checkpoint_every_steps == 0:
-        return True
-    if plan.checkpoint_every_epochs and end_of_epoch and (done // plan.steps_per_epoch) % plan.checkpoint_every_epochs == 0:
-        return True
-    return done == plan.total_steps
+            "diverged_at": diverged_at, "comm": replica.reducer.name, **eval_metrics}

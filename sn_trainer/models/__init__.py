@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import ConfigError
-from .caffe import MLP, Cifar10Quick, LeNet
+from ..errors import ConfigError
+from .caffe import MLP, Cifar10Quick, Cifar10QuickBN, LeNet
 
-BUILTIN = {"lenet": LeNet, "cifar10_quick": Cifar10Quick, "mlp": MLP}
+BUILTIN = {"lenet": LeNet, "cifar10_quick": Cifar10Quick, "cifar10_quick_bn": Cifar10QuickBN, "mlp": MLP}
 
 
 def torchvision_names() -> list[str]:

@@ -52,6 +52,28 @@ class Cifar10Quick(nn.Module):
         return self.classifier(self.features(x))
 
 
+class Cifar10QuickBN(nn.Module):
+    """cifar10_quick with batch norm after each convolution (and no conv bias): a batch-norm net of
+    the paper's size, for measuring what synchronised batch norm and the layout cost."""
+
+    def __init__(self, in_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_shape[0], 32, 5, padding=2, bias=False), nn.BatchNorm2d(32),
+            nn.MaxPool2d(3, 2, ceil_mode=True), nn.ReLU(),
+            nn.Conv2d(32, 32, 5, padding=2, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AvgPool2d(3, 2, ceil_mode=True),
+            nn.Conv2d(32, 64, 5, padding=2, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AvgPool2d(3, 2, ceil_mode=True),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(_flat_features(self.features, in_shape), 64), nn.Linear(64, num_classes),
+        )
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
 class MLP(nn.Module):
     """Flatten, then fully connected layers with ReLU between them."""
 

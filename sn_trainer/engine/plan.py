@@ -1,0 +1,94 @@
+"""The resolved plan of a run: every setting decided once, by the Trainer, and read as is below it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the workers run and how they talk; decided when the Trainer is built."""
+
+    workers: int  # on this node
+    threads: int
+    pinning: tuple[tuple[int, ...], ...]  # logical CPUs of each worker
+    nodes: int = 1
+    node_rank: int = 0
+    comm: str = "local"  # local (one worker), shm, gloo, or auto (measured by the workers at start-up)
+    reduce: str = "all_reduce"
+    bucket_kb: int = 256
+    precision: str = "fp32"  # what runs, after any fallback
+    notes: tuple[str, ...] = ()  # what was asked for but could not be had here, and what ran instead
+
+    @property
+    def global_workers(self) -> int:
+        return self.workers * self.nodes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything every worker needs to walk through the run in lockstep."""
+
+    placement: Placement
+    batch_size: int
+    accumulate: int
+    seed: int
+    drop_last: bool
+    dataset_size: int
+    steps_per_epoch: int
+    total_steps: int
+    start_step: int = 0  # > 0 when resuming
+    clip_grad_norm: float | None = None
+    on_nan: str = "stop"  # or "skip": leave out the update of a step with a non-finite loss or gradient
+    channels_last: bool = False
+    shards: str = "elements"  # or "tensors": whole parameters per worker
+    sync_batchnorm: bool = False
+    log_every: int = 100
+    eval_batch_size: int = 512
+    evaluate_each_epoch: bool = False  # and after the last step
+    evaluate_only: bool = False
+    measure_after: int = 0  # warm-up steps left out of samples/s and phase seconds
+    checkpointing: bool = False  # send state to the launcher (on schedule, at the end, on stop)
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_epochs: int | None = None
+    profile_dir: str | None = None
+    profile_steps: int = 3
+    worker_timeout: float = 300.0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def step_batch(self) -> int:
+        """Samples one optimizer step trains on (the last step of an epoch may have fewer)."""
+        return self.batch_size * self.accumulate
+
+    def samples(self, first: int, last: int) -> int:
+        """Samples trained by steps [first, last): an epoch's last step may be short (drop_last=false)."""
+        total = (last - first) * self.step_batch
+        if not self.drop_last:
+            short = self.steps_per_epoch * self.step_batch - self.dataset_size
+            total -= short * (last // self.steps_per_epoch - first // self.steps_per_epoch)
+        return total
+
+    @property
+    def per_worker_batch(self) -> float:
+        return self.batch_size / self.placement.global_workers
+
+    def checkpoint_due(self, done: int) -> bool:
+        end_of_epoch = done % self.steps_per_epoch == 0
+        if self.checkpoint_every_steps and done % self.checkpoint_every_steps == 0:
+            return True
+        if self.checkpoint_every_epochs and end_of_epoch and \
+                (done // self.steps_per_epoch) % self.checkpoint_every_epochs == 0:
+            return True
+        return done == self.total_steps
+
+    def summary(self, comm_used: str | None = None) -> dict[str, Any]:
+        """What the run used, for FitResult and summary.json."""
+        p = self.placement
+        return {"workers": p.workers, "threads": p.threads, "nodes": p.nodes, "pinning": [list(c) for c in p.pinning],
+                "comm": comm_used or p.comm, "reduce": p.reduce, "precision": p.precision,
+                "channels_last": self.channels_last, "shards": self.shards, "sync_batchnorm": self.sync_batchnorm,
+                "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
+                "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "start_step": self.start_step, "notes": [*p.notes, *self.notes]}
+

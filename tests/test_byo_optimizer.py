@@ -1,0 +1,176 @@
+"""Bring your own optimizer and batch norm: groups, whole-tensor optimizers, unused parameters,
+synchronised batch norm; each against an independent plain-PyTorch loop over the same batches."""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import SmallConvNet, TinyGPT, assert_same_parameters, plain_fit, tiny_dataset, token_dataset
+from sn_trainer import ConfigError, Trainer
+from sn_trainer.checkpoint import CheckpointDir
+from sn_trainer import checkpoint
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def decay_matrices_only(model, weight_decay=0.1, lr_no_decay=0.02):
+    """A small GPT's groups: decay on 2-d weights (matmuls, embeddings) only; another lr for the rest."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr_no_decay}]
+
+
+def gpt_step(model, batch):
+    _, loss = model(*batch)
+    return loss
+
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
+
+
+def constant(step):
+    return 1.0
+
+
+def halving(step):
+    return 0.5 ** step
+
+
+@pytest.mark.parametrize("workers, batch_size", [(1, 6), (2, 7), (3, 7)])
+def test_two_adamw_groups_on_a_gpt_with_tied_weights(workers, batch_size):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = plain_fit(copy.deepcopy(model), token_dataset(), batch_size, steps=4, seed=2,
+                          optimizer=lambda m: ADAMW(decay_matrices_only(m)), loss=gpt_step)
+    schedule = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=[constant, halving])
+    reference_scheduled = plain_fit(copy.deepcopy(model), token_dataset(), batch_size, steps=4, seed=2,
+                                    optimizer=lambda m: ADAMW(decay_matrices_only(m)), loss=gpt_step,
+                                    scheduler=schedule)
+    scheduled = copy.deepcopy(model)
+    Trainer(workers=workers, batch_size=batch_size, max_steps=4, seed=2).fit(
+        model, token_dataset(), optimizer=ADAMW, step_fn=gpt_step, param_groups=decay_matrices_only)
+    assert_same_parameters(model, reference)
+    # A scheduler with one lambda per group: every worker's optimizer has every group.
+    Trainer(workers=workers, batch_size=batch_size, max_steps=4, seed=2).fit(
+        scheduled, token_dataset(), optimizer=ADAMW, step_fn=gpt_step, param_groups=decay_matrices_only,
+        scheduler=schedule)
+    assert_same_parameters(scheduled, reference_scheduled)
+    assert not torch.allclose(scheduled.ln_f.bias, model.ln_f.bias)  # the second group's lr did change
+
+
+class Branches(nn.Module):
+    """One branch used every other forward, one never: plain PyTorch leaves their .grad None then."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallConvNet()
+        self.sometimes = nn.Linear(3, 3)
+        self.never = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.net(x)
+        return out + self.sometimes(out) if self.calls % 2 == 0 else out
+
+
+@pytest.mark.parametrize("optimizer", [
+    functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.01),
+    functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.05),
+], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_parameters_without_gradient_are_left_as_plain_pytorch_leaves_them(optimizer, workers):
+    torch.manual_seed(0)
+    model = Branches()
+    untouched = model.never.weight.detach().clone()
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(), 7, steps=5, seed=3,
+                          optimizer=lambda m: optimizer(m.parameters()),
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    Trainer(workers=workers, batch_size=7, max_steps=5, seed=3).fit(model, tiny_dataset(), optimizer=optimizer)
+    assert torch.equal(model.never.weight, untouched)  # no decay, no momentum
+    assert_same_parameters(model, reference)  # 'sometimes': the steps it missed left no trace
+
+
+class BatchNormNet(nn.Module):
+    """cifar10_quick's shape with batch norm after each convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 6, 3),
+                                      nn.BatchNorm2d(6, momentum=None), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(6 * 4 * 4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+@pytest.mark.parametrize("workers, batch_size", [(1, 12), (2, 12), (3, 11)])
+def test_sync_batchnorm_equals_one_process_with_the_global_batch(workers, batch_size):
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(), batch_size, steps=4, seed=3,
+                          optimizer=lambda m: sgd(m.parameters()), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    Trainer(workers=workers, batch_size=batch_size, max_steps=4, seed=3, sync_batchnorm=True).fit(
+        model, tiny_dataset(), optimizer=sgd)
+    assert_same_parameters(model, reference)
+    for (name, mine), theirs in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_without_sync_batchnorm_statistics_are_per_worker_like_ddp():
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(), 12, steps=2, seed=3,
+                          optimizer=lambda m: sgd(m.parameters()), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    Trainer(workers=2, batch_size=12, max_steps=2, seed=3).fit(model, tiny_dataset(), optimizer=sgd)
+    assert not torch.allclose(model.features[1].running_mean, reference.features[1].running_mean, rtol=1e-4)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_adafactor_gets_whole_tensors_and_equals_plain_pytorch(workers):
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(), 7, steps=4, seed=3,
+                          optimizer=lambda m: adafactor(m.parameters()),
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    sliced = copy.deepcopy(model)
+    result = Trainer(workers=workers, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(),
+                                                                             optimizer=adafactor)
+    assert result.plan["shards"] == "tensors"
+    assert_same_parameters(model, reference)
+    # Given 1-d slices (elementwise shards), Adafactor cannot factor a matrix: it trains something else.
+    Trainer(workers=workers, batch_size=7, max_steps=4, seed=3, shards="elements").fit(sliced, tiny_dataset(),
+                                                                                       optimizer=adafactor)
+    assert not torch.allclose(sliced.fc.weight, reference.fc.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_lbfgs_is_refused_before_any_worker_starts(no_leaks):
+    with pytest.raises(ConfigError, match="LBFGS cannot train with sn_trainer: it re-evaluates the loss through a "
+                                          "closure"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(),
+                                                          optimizer=functools.partial(torch.optim.LBFGS, lr=0.1))
+
+
+def test_a_resume_with_groups_across_a_change_of_worker_count(tmp_path):
+    def run(model, workers, steps, **settings):
+        Trainer(workers=workers, batch_size=7, max_steps=steps, seed=2, checkpoint_dir=str(tmp_path / "ckpt"),
+                checkpoint_every_steps=2, **settings).fit(model, token_dataset(), optimizer=ADAMW, step_fn=gpt_step,
+                                                          param_groups=decay_matrices_only)
+        return model
+
+    torch.manual_seed(0)
+    start = TinyGPT()
+    whole = run(copy.deepcopy(start), 2, 6, checkpoint_keep=10)
+    saved = checkpoint.load(CheckpointDir(tmp_path / "ckpt").latest())
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.1, 0.0]
+    assert saved["optimizer"]["param_groups"][1]["lr"] == 0.02
+    for path in sorted((tmp_path / "ckpt").iterdir())[1:]:
+        path.unlink()  # keep step 2 only
+    resumed = run(copy.deepcopy(start), 3, 6, resume="latest")
+    assert_same_parameters(resumed, whole)

@@ -1,0 +1,179 @@
+"""Run it as operators run jobs: scheduler signals, hung workers, resumes that keep their schedule."""
+import copy
+import functools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import SmallConvNet, assert_same_parameters, live_children, plain_fit, processes_with_marker, \
+    tiny_dataset
+from sn_trainer import CheckpointError, Trainer, WorkerFailed
+from sn_trainer import checkpoint
+from sn_trainer.checkpoint import CheckpointDir
+from test_faults import LONG_RUN, final_model, start_cli, wait_for_step
+
+pytestmark = pytest.mark.timeout(300)
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes_bit_exactly(tmp_path):
+    """What scancel, systemctl stop and kill -TERM -<pgid> do: every process gets the signal."""
+    marker = uuid.uuid4().hex
+    whole = start_cli(LONG_RUN, tmp_path / "whole", marker)
+    assert whole.wait(timeout=240) == 0, whole.communicate()
+    run = tmp_path / "stopped"
+    proc = start_cli([*LONG_RUN, "max_restarts=2"], run, marker, new_session=True)
+    wait_for_step(run, 20, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "interrupted: stopped by SIGTERM after step" in stderr and "resume with resume=" in stderr
+    assert "restart" not in stderr  # a run asked to stop is never restarted
+    stopped_at = checkpoint.load(CheckpointDir(run / "checkpoints").latest())["step"]
+    assert 20 <= stopped_at < 400
+    assert processes_with_marker(marker) == []
+    resumed = start_cli([*LONG_RUN, f"resume={run / 'checkpoints'}"], tmp_path / "resumed", marker)
+    assert resumed.wait(timeout=240) == 0, resumed.communicate()
+    mine, theirs = final_model(tmp_path / "resumed"), final_model(tmp_path / "whole")
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_sigint_to_one_worker_stops_the_run_at_a_step_boundary(tmp_path):
+    marker = uuid.uuid4().hex
+    run = tmp_path / "run"
+    proc = start_cli([*LONG_RUN, "max_steps=100000"], run, marker)
+    wait_for_step(run, 5, proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if not p.children() and "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[-1].send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "stopped by SIGINT after step" in stderr
+    assert CheckpointDir(run / "checkpoints").latest() is not None
+    assert processes_with_marker(marker) == []
+
+
+class Stalls(torch.nn.Module):
+    """On its ``at_call``-th forward, worker ``rank`` stops itself (SIGSTOP), as a swapped-out or
+    deadlocked process would."""
+
+    def __init__(self, inner, at_call: int, rank: int):
+        super().__init__()
+        self.inner, self.at_call, self.rank, self.calls = inner, at_call, rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at_call and torch.initial_seed() % 1000 == self.rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_a_stopped_worker_ends_the_run_naming_it(comm, no_leaks):
+    model = Stalls(SmallConvNet(), at_call=4, rank=1)
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed) as caught:
+        Trainer(workers=2, batch_size=8, max_steps=100, comm=comm, worker_timeout=10).fit(model, tiny_dataset(),
+                                                                                           optimizer=SGD)
+    assert time.monotonic() - started < 30
+    message = str(caught.value)
+    assert message.startswith("worker 1 failed: made no progress for") and "phase forward" in message, message
+    assert "in step 4" in message
+
+
+def test_a_hung_worker_is_restarted_from_the_last_checkpoint(tmp_path, no_leaks):
+    torch.manual_seed(0)
+    reference = SmallConvNet()
+    hung = Stalls(copy.deepcopy(reference), at_call=6, rank=0)
+    result = Trainer(workers=2, batch_size=8, max_steps=8, seed=3, worker_timeout=8, max_restarts=1,
+                     checkpoint_dir=str(tmp_path), checkpoint_every_steps=2).fit(hung, tiny_dataset(), optimizer=SGD)
+    assert result.restarts == 1
+    Trainer(workers=2, batch_size=8, max_steps=8, seed=3).fit(reference, tiny_dataset(), optimizer=SGD)
+    assert_same_parameters(hung.inner, reference)
+
+
+def lr_per_step(tmp_path, name, epochs, resume=None):
+    result = Trainer(workers=2, batch_size=12, epochs=epochs, seed=3, log_every=1, checkpoint_dir=str(tmp_path / name),
+                     resume=resume).fit(
+        SmallConvNet(), tiny_dataset(), optimizer=SGD,
+        scheduler=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=7 * epochs))
+    return {r["step"]: r["lr"] for r in result.history if "lr" in r}
+
+
+def test_a_resume_with_more_epochs_follows_the_longer_schedule(tmp_path):
+    two_epochs = lr_per_step(tmp_path, "whole", 2)
+    one_epoch = lr_per_step(tmp_path, "first", 1)
+    assert one_epoch[7] < 1e-9  # the one-epoch schedule ends at lr 0
+    resumed = lr_per_step(tmp_path, "second", 2, resume=str(tmp_path / "first"))
+    assert sorted(resumed) == list(range(8, 15))
+    for step, lr in resumed.items():
+        assert lr == pytest.approx(two_epochs[step], rel=1e-12), step
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(batch_size=6), "written with batch_size 12, this run has 6"),
+    (dict(accumulate=2), "written with accumulate 1, this run has 2"),
+    (dict(seed=4), "written with seed 3, this run has 4"),
+])
+def test_a_resume_that_would_shift_the_sample_order_is_refused(tmp_path, change, message):
+    settings = dict(workers=2, batch_size=12, max_steps=2, seed=3, checkpoint_dir=str(tmp_path))
+    Trainer(**settings).fit(SmallConvNet(), tiny_dataset(), optimizer=SGD)
+    saved = (tmp_path / "step-000000002.pt").read_bytes()
+    with pytest.raises(CheckpointError, match=message + ": the samples of each step would differ"):
+        Trainer(**{**settings, "max_steps": 4, "resume": "latest", **change}).fit(SmallConvNet(), tiny_dataset(),
+                                                                                 optimizer=SGD)
+    assert (tmp_path / "step-000000002.pt").read_bytes() == saved
+    with pytest.raises(CheckpointError, match="training-set size 84, this run has 60"):
+        Trainer(**{**settings, "max_steps": 4, "resume": "latest"}).fit(SmallConvNet(), tiny_dataset(n=60),
+                                                                       optimizer=SGD)
+    Trainer(**{**settings, "max_steps": 4, "resume": "latest", "resume_strict": False, **change}).fit(
+        SmallConvNet(), tiny_dataset(), optimizer=SGD)  # not strict: a warning, and it goes on
+
+
+@pytest.mark.parametrize("workers, batch_size", [(1, 8), (2, 8), (3, 8), (3, 7)])
+def test_drop_last_false_trains_the_last_partial_batch_exactly(workers, batch_size):
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    data = tiny_dataset(n=30)  # 30 = 3 x 8 + 6 = 4 x 7 + 2: the last step of an epoch is short
+    steps = 2 * -(-30 // batch_size)  # with batch 7 and 3 workers, one worker has nothing in it
+    reference = plain_fit(copy.deepcopy(model), data, batch_size, steps=steps, seed=3, drop_last=False,
+                          optimizer=lambda m: SGD(m.parameters()), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    result = Trainer(workers=workers, batch_size=batch_size, epochs=2, seed=3, drop_last=False).fit(
+        model, data, optimizer=SGD)
+    assert result.steps == steps
+    assert_same_parameters(model, reference)
+
+
+def test_a_killed_launchers_rendezvous_directory_is_removed_by_the_next_run(tmp_path):
+    script = ("import os, signal, sys; sys.path.insert(0, %r)\n"
+              "from helpers import Bomb, SmallConvNet, tiny_dataset\n"
+              "from sn_trainer import Trainer\n"
+              "class KillLauncher(Bomb):\n"
+              "    def forward(self, x):\n"
+              "        self.calls += 1\n"
+              "        if self.calls == 3: os.kill(int(self.flag_path), signal.SIGKILL)\n"
+              "        return self.inner(x)\n"
+              "if __name__ == '__main__':\n"
+              "    model = KillLauncher(SmallConvNet(), str(os.getpid()), '')\n"
+              "    Trainer(workers=2, batch_size=8, max_steps=50).fit(model, tiny_dataset())\n"
+              % os.path.dirname(__file__))
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"sn_trainer-{proc.pid}-")]
+    assert left  # the launcher had no chance to remove it...
+    Trainer(workers=2, batch_size=8, max_steps=1).fit(SmallConvNet(), tiny_dataset())
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), left[0]))  # ...the next run did
+    assert live_children() == []
+

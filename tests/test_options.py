@@ -1,0 +1,78 @@
+"""One source of truth per option: the dataclasses' defaults and help, checked against the shipped
+YAML and the README's table, and shown by ``--help``."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import sn_trainer
+from sn_trainer.config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = Path(sn_trainer.__file__).with_name("conf")  # the copy shipped inside the package
+
+
+def composed() -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config")
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw.pop("hydra", None)
+    return raw
+
+
+def leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_yaml_defaults_are_the_dataclass_defaults():
+    yaml = leaves(composed())
+    rows = {key: default for key, default, _ in option_rows()}
+    assert set(yaml) <= set(rows), f"in the YAML only: {set(yaml) - set(rows)}"
+    groups = ("model.", "dataset.", "optim.")  # their YAML files set what differs between options
+    missing = {key for key in rows if not key.startswith(groups)} - set(yaml)
+    assert not missing, f"in config.py only: {missing}"
+    for key, value in yaml.items():
+        expected = CLI_DEFAULTS.get(key, (rows[key],))[-1]
+        assert value == expected, f"{key}: the YAML says {value!r}, config.py says {expected!r}"
+    RunConfig.from_dict(composed())  # and it builds
+
+
+def test_every_group_option_sets_known_keys_only():
+    for group in ("model", "dataset", "optim"):
+        for path in sorted((CONF / group).glob("*.yaml")):
+            keys = OmegaConf.to_container(OmegaConf.load(path)).keys()
+            known = {row[0].split(".", 1)[1] for row in option_rows() if row[0].startswith(f"{group}.")}
+            assert set(keys) <= known, f"{path.name}: unknown keys {set(keys) - known}"
+
+
+def test_the_readme_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert options_markdown() in readme, "README's options table is stale: paste the output of " \
+                                         "python -c 'from sn_trainer.config import options_markdown; print(options_markdown())'"
+
+
+def test_help_explains_every_key_with_its_default(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sn_trainer", "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shown = " ".join(proc.stdout.split())
+    for key, _, help_text in option_rows():
+        assert f"{key} (default" in shown, key
+        assert " ".join(help_text.replace("`", "").split()) in shown, key  # the whole text, however wrapped
+
+
+@pytest.mark.parametrize("key", ["measure_after", "profile_dir"])
+def test_api_only_settings_are_refused_on_the_command_line(key):
+    from sn_trainer import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{key} is a Trainer argument, not a command-line setting"):
+        RunConfig.from_dict({key: 1})
