@@ -1,0 +1,38 @@
+"""The examples in scripts/examples/ run as their users run them, at a tiny size."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+EXAMPLES = Path(__file__).resolve().parents[1] / "scripts" / "examples"
+TEXT = "/usr/share/common-licenses/GPL-3"  # on every Debian machine
+
+
+def run(script, *args):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--workers", "2", *args], capture_output=True,
+                          text=True, timeout=280, cwd=EXAMPLES.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_word_level_lstm_language_model():
+    out = run("word_lm.py", "--text", TEXT, "--max-steps", "6", "--emsize", "32")
+    perplexity = float(re.search(r"perplexity ([\d.]+)", out).group(1))
+    assert 1 < perplexity < 2000  # a vocabulary of ~1000 words: better than uniform after a few steps
+
+
+def test_vae_on_fashion_mnist():
+    out = run("vae.py", "--max-steps", "6", "--limit", "1024")
+    loss = float(re.search(r"test loss ([\d.]+) per image", out).group(1))
+    assert 100 < loss < 600  # 784 pixels of BCE: ~543 untrained (ln 2 each), falling
+
+
+def test_char_gpt_with_nanogpt_style_configure_optimizers():
+    out = run("char_gpt.py", "--text", TEXT, "--max-steps", "6", "--n-embd", "32", "--sample-chars", "40")
+    assert "num decayed parameter tensors: 10" in out  # the method ran, once, in the launcher
+    assert float(re.search(r"held-out loss ([\d.]+)", out).group(1)) < 4.4  # ln(76 characters) = 4.33
+    sample = out.split("sample:\n", 1)[1]
+    assert len(sample.strip("\n")) >= 20
