@@ -146,20 +146,33 @@ class TrainerConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = option("lenet", "`lenet`, `cifar10_quick`, `mlp`, `gpt`, or any torchvision classification model "
-                                "(with model=torchvision)")
+    name: str = option("lenet", "`lenet`, `cifar10_quick`, `cifar10_quick_bn`, `mlp`, `gpt` (with dataset=text), "
+                                "or any torchvision classification model (with model=torchvision)")
     hidden: list[int] | None = option(None, "mlp: sizes of the hidden layers")
+    n_layer: int = option(3, "gpt: transformer blocks")
+    n_head: int = option(4, "gpt: attention heads per block")
+    n_embd: int = option(128, "gpt: width of the embeddings (a multiple of n_head)")
+    dropout: float = option(0.0, "gpt: dropout probability")
+    bias: bool = option(False, "gpt: biases in linear layers and layer norms")
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "model.name must be a non-empty string")
         _require(self.hidden is None or (self.name == "mlp" and all(_is_int(h) and h > 0 for h in self.hidden)),
                  f"model.hidden applies to model=mlp only, as positive sizes; got {self.hidden!r} for {self.name}")
+        for key in ("n_layer", "n_head", "n_embd"):
+            _positive_int(getattr(self, key), f"model.{key}")
+        _require(self.n_embd % self.n_head == 0,
+                 f"model.n_embd={self.n_embd} must be a multiple of model.n_head={self.n_head}")
+        _require(0 <= self.dropout < 1, f"model.dropout must be in [0, 1), got {self.dropout!r}")
 
 
 @dataclass
 class DatasetConfig:
-    name: str = option("fashion_mnist", "`fashion_mnist`, `mnist`, `cifar10`, `synthetic` or `folder`")
+    name: str = option("fashion_mnist", "`fashion_mnist`, `mnist`, `cifar10`, `synthetic`, `folder` or `text`")
     root: str | None = option(None, "where the files are (or go, with download=true)")
+    path: str | None = option(None, "text: a UTF-8 text file, or a folder of them")
+    tokenizer: str = option("char", "text: `char` (one token per character) or `gpt2` (tiktoken's BPE)")
+    block_size: int = option(64, "text: tokens per training window (the model's context)")
     download: bool = option(False, "let torchvision download the dataset into root when it is not found "
                                    "(needs internet)")
     augment: bool | None = option(None, "random crop and flip; default: on for cifar10 only")
@@ -168,13 +181,15 @@ class DatasetConfig:
     train_size: int = option(8192, "synthetic: training samples")
     test_size: int = option(1024, "synthetic: test samples")
     image_size: int = option(32, "folder: images are resized to image_size x image_size")
-    test_fraction: float = option(0.1, "folder without train/ and test/: share held out for testing")
+    test_fraction: float = option(0.1, "folder without train/ and test/, and text: the share held out for testing "
+                                       "(text: its tail)")
     seed: int = option(0, "synthetic data and the folder split")
 
     def __post_init__(self) -> None:
         _positive_int(self.train_size, "dataset.train_size")
         _positive_int(self.test_size, "dataset.test_size")
         _positive_int(self.image_size, "dataset.image_size")
+        _positive_int(self.block_size, "dataset.block_size")
         _require(0 < self.test_fraction < 1, f"dataset.test_fraction must be in (0, 1), got {self.test_fraction}")
 
 
@@ -249,6 +264,9 @@ class RunConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: bool = option(False, "write a torch.profiler trace of a few steps per worker into the output directory")
+    logger: str = option("tensorboard", "`tensorboard`: loss, lr, speed, milliseconds per phase, per-core CPU and "
+                                        "evaluation as TensorBoard events in the output directory, written by the "
+                                        "launcher; `none`")
 
     SECTIONS = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig,
                 "checkpoint": CheckpointConfig}
@@ -261,6 +279,8 @@ class RunConfig:
         raw.pop("hydra", None)
         profile = raw.pop("profile", False)
         _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
+        logger = raw.pop("logger", "tensorboard")
+        _one_of(logger, "logger", LOGGERS)
         for key in [k for k in raw if k in _CHECKPOINT_KEYS]:
             raise ConfigError(f"unknown setting {key}; use checkpoint.{_CHECKPOINT_KEYS[key]}")
         api_only = sorted(k for k in raw if k in _api_only_keys())
@@ -269,7 +289,7 @@ class RunConfig:
         ckpt = parts["checkpoint"]
         trainer = _build(TrainerConfig, {**raw, **{key: getattr(ckpt, name) for key, name in _CHECKPOINT_KEYS.items()}},
                          None)
-        return cls(trainer=trainer, profile=profile, **parts)
+        return cls(trainer=trainer, profile=profile, logger=logger, **parts)
 
 
 def _api_only_keys() -> set[str]:
@@ -283,7 +303,7 @@ def _build(kind: type, values: dict[str, Any], prefix: str | None):
         where = f"{prefix}." if prefix else ""
         shown = sorted({("checkpoint.*" if k in _CHECKPOINT_KEYS else k) for k in known if k not in _api_only_keys()})
         if prefix is None:
-            shown = sorted(set(shown) | {"profile", *(f"{s}.*" for s in RunConfig.SECTIONS if s != "checkpoint")})
+            shown = sorted(set(shown) | {"profile", "logger", *(f"{s}.*" for s in RunConfig.SECTIONS if s != "checkpoint")})
         raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: {', '.join(where + k for k in shown)}")
     try:
         return kind(**values)
@@ -303,6 +323,7 @@ def option_rows() -> list[tuple[str, Any, str]]:
             continue
         rows.append((f.name, _default(f), f.metadata["help"]))
     rows.append(("profile", False, _help(RunConfig, "profile")))
+    rows.append(("logger", "tensorboard", _help(RunConfig, "logger")))
     for section, kind in RunConfig.SECTIONS.items():
         for f in fields(kind):
             rows.append((f"{section}.{f.name}", _default(f), f.metadata["help"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from .data.datasets import load_datasets
 from .engine.cluster import Cluster
 from .engine.topology import oversubscription
 from .errors import ConfigError
-from .models import build_model
-from .optim import build_optimizer, build_scheduler, effective_lr
+from .models import build_for, training_parts, uses_torchvision
+from .optim import LRSchedule, build_optimizer, build_scheduler, effective_lr
 from .report.machine import describe_machine
 from .report.metrics import ProgressLog
 from .trainer import Trainer
@@ -43,7 +44,9 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     if cfg.profile:
         settings = dataclasses.replace(settings, profile_dir=str(out))
     cluster = Cluster.from_env(os.environ)  # torchrun's environment, read here at the edge
-    trainer = Trainer.from_config(settings, cluster)
+    if uses_torchvision(cfg.model.name):
+        import torchvision  # noqa: F401 - before the Trainer: its warm workers then have it imported too
+    trainer = Trainer.from_config(settings, cluster)  # first: its workers warm up while data and model load
     if cfg.bench.enabled and cfg.bench.skip_oversubscribed:
         reason = oversubscription(trainer.topology, trainer.workers, settings.threads)
         if reason:
@@ -57,26 +60,36 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
                  f"interface {cluster.interface}" if cluster.interface else "the address of this host's name "
                  "(set GLOO_SOCKET_IFNAME to choose an interface)")
     data = load_datasets(cfg.dataset)
-    log.info("data: %s (%d train, %d test, shape %s)", data.source, len(data.train), len(data.test),
-             list(data.sample_shape))
+    text = hasattr(data, "vocab_size")
+    log.info("data: %s (%d train, %d test%s)", data.source, len(data.train), len(data.test),
+             f", vocabulary {data.vocab_size}" if text else f", shape {list(data.sample_shape)}")
     torch.manual_seed(settings.seed)
-    model = build_model(cfg.model.name, data.sample_shape, data.num_classes,
-                        **({"hidden": tuple(cfg.model.hidden)} if cfg.model.hidden else {}))
+    model = build_for(cfg.model, data)
+    step_fn, param_groups = training_parts(cfg.model, cfg.optim.weight_decay)
     step_batch = settings.batch_size * settings.accumulate
     _, total_steps = trainer.steps(len(data.train))
     placement = trainer.placement
+    lr = effective_lr(cfg.optim, step_batch)
     log.info("training %s: %d workers x %d threads%s, batch %d (%.1f per worker), %d steps, lr %.4g",
              cfg.model.name, placement.workers, placement.threads,
              f" on each of {placement.nodes} nodes" if placement.nodes > 1 else "", settings.batch_size,
-             settings.batch_size / placement.global_workers, total_steps, effective_lr(cfg.optim, step_batch))
-    progress = ProgressLog(out, total_steps)
+             settings.batch_size / placement.global_workers, total_steps, lr)
+    _warn_of_a_short_run(cfg, total_steps, lr)
+    sinks = [ProgressLog(out, total_steps)]
+    if cfg.logger == "tensorboard":
+        from .report.tensorboard import TensorBoardLog
+
+        sinks.append(TensorBoardLog(out, tokens_per_sample=data.block_size if text else None))
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
-                             scheduler=build_scheduler(cfg.optim, total_steps), on_log=progress,
-                             run_config=resolved)
+                             scheduler=build_scheduler(cfg.optim, total_steps), on_log=lambda r: [s(r) for s in sinks],
+                             run_config=resolved, step_fn=step_fn, param_groups=param_groups)
     finally:
-        progress.close()
+        sinks[0].close()
+    if len(sinks) > 1:
+        sinks[1].close(_hparams(cfg), {"test_loss": result.eval_loss, "test_accuracy": result.eval_accuracy,
+                                       "samples_per_sec": result.samples_per_sec})
     summary = {
         "config": resolved,
         "machine": machine,
@@ -99,18 +112,58 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "final_loss": result.final_loss,
         "test_loss": result.eval_loss,
         "test_accuracy": result.eval_accuracy,
+        "test_perplexity": math.exp(result.eval_loss) if text and result.eval_loss is not None else None,
+        "tokens_per_sec": result.samples_per_sec * data.block_size if text else None,
         "eval_error": result.eval_error,
+        "other_cpu_percent": result.other_cpu_percent,
         "peak_memory_bytes": result.peak_memory_bytes,
         "skipped_steps": result.skipped_steps,
         "restarts": result.restarts,
         "last_checkpoint": result.last_checkpoint,
         "process": _process_hygiene(),
     }
+    if text and not cfg.bench.enabled:
+        summary["sample"] = _write_sample(model, data, out, settings.seed)
+        print(f"sample:\n{summary['sample']}\n", flush=True)
     _write_json_atomically(out / "summary.json", summary)
-    accuracy = f"test accuracy {result.eval_accuracy:.4f}, " if result.eval_accuracy is not None else ""
-    print(f"{accuracy}{result.samples_per_sec:.0f} samples/s ({result.workers} workers x {result.threads} "
-          f"threads, batch {result.batch_size}); results in {out}", flush=True)
+    if text:
+        quality = (f"test loss {result.eval_loss:.4f} (perplexity {summary['test_perplexity']:.2f}), "
+                   if result.eval_loss is not None else "")
+        speed = f"{summary['tokens_per_sec']:.0f} tokens/s"
+    else:
+        quality = f"test accuracy {result.eval_accuracy:.4f}, " if result.eval_accuracy is not None else ""
+        speed = f"{result.samples_per_sec:.0f} samples/s"
+    print(f"{quality}{speed} ({result.workers} workers x {result.threads} threads, batch {result.batch_size}); "
+          f"results in {out}", flush=True)
     return summary
+
+
+def _warn_of_a_short_run(cfg: RunConfig, total_steps: int, lr: float) -> None:
+    """A warm-up longer than the run never reaches the learning rate asked for: say so."""
+    warmup = cfg.optim.warmup_steps
+    if warmup > total_steps:
+        reached = lr * LRSchedule(cfg.optim.schedule, total_steps, warmup)(total_steps - 1)
+        log.warning("optim.warmup_steps=%d is longer than this run's %d steps: the learning rate ends at %.4g, "
+                    "never reaching the %.4g asked; lower optim.warmup_steps or train longer", warmup, total_steps,
+                    reached, lr)
+
+
+def _write_sample(model, data, out: Path, seed: int, new_tokens: int = 300) -> str:
+    """Text the trained model writes, starting from a line break, into sample.txt."""
+    model.eval()
+    start = torch.tensor([data.encode("\n")[:1] or [0]])
+    tokens = model.generate(start, new_tokens, generator=torch.Generator().manual_seed(seed))
+    text = data.decode(tokens[0].tolist())
+    (out / "sample.txt").write_text(text + "\n")
+    return text
+
+
+def _hparams(cfg: RunConfig) -> dict[str, Any]:
+    """What a sweep varies, for TensorBoard's HParams view."""
+    t = cfg.trainer
+    return {"model": cfg.model.name, "dataset": cfg.dataset.name, "batch_size": t.batch_size, "workers": t.workers,
+            "threads": t.threads, "accumulate": t.accumulate, "precision": t.precision, "lr": cfg.optim.lr,
+            "optimizer": cfg.optim.name, "seed": t.seed}
 
 
 def _process_hygiene() -> dict[str, int]:

@@ -78,6 +78,7 @@ class FitResult:
     restarts: int = 0
     last_checkpoint: str | None = None
     channels_last: bool = False  # the layout the run used (channels_last=auto decides per model)
+    other_cpu_percent: float | None = None  # other processes' share of the machine's CPU over the measured steps
     comm: str = "local"  # the reducer that ran (comm=auto decides at start-up)
     precision: str = "fp32"  # what ran (bf16 falls back to fp32 where the CPU has no native bf16)
     plan: dict[str, Any] = field(default_factory=dict)  # everything the run was resolved to
@@ -304,8 +305,10 @@ class Trainer:
                             checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
                             profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
                 try:
+                    launcher_cpu = -_own_cpu_seconds()
                     results, peak = self._run(model, layout, train_set, eval_set, objective, optimizer, groups,
                                               scheduler, plan, relay, resume)
+                    launcher_cpu += _own_cpu_seconds()
                     break
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
@@ -328,6 +331,10 @@ class Trainer:
             raise TrainingInterrupted(self._stop.signal or signal.SIGTERM, lead["stopped_at"], writer.last_saved)
         if lead.get("eval_error"):
             log.warning("evaluation failed; the trained model is kept:\n%s", lead["eval_error"])
+        other = _other_cpu_percent(results, launcher_cpu)
+        if other is not None and other > OTHERS_WARNING_PERCENT:
+            log.warning("other processes used %.0f%% of this machine's CPU during the measured steps: the speeds "
+                        "measured mean little (measure on an idle machine)", other)
         measured_from = max(cfg.measure_after, plan.start_step)
         samples = plan.samples(measured_from, measured_from + lead["measured_steps"])
         eval_metrics = {k: v for k, v in lead.items() if k.startswith("eval_") and k != "eval_error"}
@@ -353,6 +360,7 @@ class Trainer:
             restarts=restarts,
             last_checkpoint=str(writer.last_saved) if writer.last_saved else None,
             channels_last=channels_last,
+            other_cpu_percent=other,
             comm=lead["comm"],
             precision=placement.precision,
             plan=plan.summary(lead["comm"]),
@@ -458,6 +466,24 @@ class Trainer:
         finally:
             SharedParams.release(model)
             shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+OTHERS_WARNING_PERCENT = 5.0
+
+
+def _own_cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def _other_cpu_percent(results: list[dict[str, Any]], launcher_cpu: float) -> float | None:
+    """CPU the machine spent on anything but this run, as a share of all its logical CPUs' time,
+    over the measured steps (the launcher counts as the run's, whole, to err on the low side)."""
+    clocks = [r.get("cpu_seconds") or {} for r in results]
+    if not all(clocks) or clocks[0]["machine_total"] <= 0:
+        return None
+    ours = sum(c["own"] for c in clocks) + launcher_cpu
+    return max(0.0, 100 * (clocks[0]["machine_busy"] - ours) / clocks[0]["machine_total"])
 
 
 def _objective(loss_fn, step_fn, metric_fn) -> Objective:

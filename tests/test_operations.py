@@ -154,7 +154,7 @@ def test_drop_last_false_trains_the_last_partial_batch_exactly(workers, batch_si
     assert_same_parameters(model, reference)
 
 
-def test_a_killed_launchers_rendezvous_directory_is_removed_by_the_next_run(tmp_path):
+def test_a_killed_launcher_leaves_no_process_and_its_directory_goes_with_the_next_run(tmp_path):
     script = ("import os, signal, sys; sys.path.insert(0, %r)\n"
               "from helpers import Bomb, SmallConvNet, tiny_dataset\n"
               "from sn_trainer import Trainer\n"
@@ -169,11 +169,18 @@ def test_a_killed_launchers_rendezvous_directory_is_removed_by_the_next_run(tmp_
               % os.path.dirname(__file__))
     path = tmp_path / "job.py"
     path.write_text(script)
-    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SN_TEST_MARKER": marker})
     assert proc.wait(timeout=120) == -signal.SIGKILL
+    deadline = time.monotonic() + 10  # its workers and fork server end on their own, as soon as they notice
+    while processes_with_marker(marker):
+        assert time.monotonic() < deadline, processes_with_marker(marker)
+        time.sleep(0.1)
     left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"sn_trainer-{proc.pid}-")]
-    assert left  # the launcher had no chance to remove it...
+    assert len(left) == 2  # the launcher had no chance to remove its two: rendezvous, multiprocessing's...
     Trainer(workers=2, batch_size=8, max_steps=1).fit(SmallConvNet(), tiny_dataset())
-    assert not os.path.exists(os.path.join(tempfile.gettempdir(), left[0]))  # ...the next run did
+    assert not any(os.path.exists(os.path.join(tempfile.gettempdir(), d)) for d in left)  # ...the next run did
+    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("pymp-")]
     assert live_children() == []
 

@@ -62,3 +62,23 @@ def test_skipped_jobs_are_recorded_and_left_out(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "exceeds the" in json.loads((out / "summary.json").read_text())["skipped"]
     assert run_module("sn_trainer.report", [str(tmp_path)], cwd=tmp_path).returncode == 2
+
+
+def test_speed_axes_start_at_zero_and_a_shared_machine_is_flagged():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sn_trainer.report import sweep
+
+    rows = [{"job": f"j{w}", "model": "lenet", "batch_size": 64, "workers": w, "threads": 1, "per_worker_batch": 64 / w,
+             "samples_per_sec": 5000 + 100 * w, "efficiency": None, "other_cpu_percent": other}
+            for w, other in ((1, 0.4), (2, 31.0))]
+    for draw in (sweep._speed_vs_workers, sweep._speed_vs_batch):
+        fig, ax = plt.subplots()
+        draw(ax, rows)
+        assert ax.get_ylim()[0] == 0, draw.__name__
+        plt.close(fig)
+    text = sweep.table(rows)
+    assert "warning: in 1 of 2 jobs other processes used more than 5% of the machine's CPU (up to 31%, job j2)" in text

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from ..config import DatasetConfig
 from ..errors import ConfigError, DataError
+from .text import TextSplits, load_text
 
 DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TORCHVISION_DIRS = {"fashion_mnist": "FashionMNIST", "mnist": "MNIST"}
@@ -87,7 +88,7 @@ class Splits:
     source: str  # where the data came from, for the log and summary.json
 
 
-def load_datasets(cfg: DatasetConfig) -> Splits:
+def load_datasets(cfg: DatasetConfig) -> Splits | TextSplits:
     """Build the train and test sets that ``cfg`` names.
 
     Raises:
@@ -96,8 +97,10 @@ def load_datasets(cfg: DatasetConfig) -> Splits:
     """
     loaders = {"fashion_mnist": _load_mnist_like, "mnist": _load_mnist_like, "cifar10": _load_cifar10,
                "synthetic": _load_synthetic, "folder": _load_folder}
+    if cfg.name == "text":
+        return load_text(cfg.path, cfg.tokenizer, cfg.block_size, cfg.test_fraction)
     if cfg.name not in loaders:
-        raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(loaders)}")
+        raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(loaders)}, text")
     (train_x, train_y), (test_x, test_y), num_classes, source = loaders[cfg.name](cfg)
     # Statistics of the training images, per channel: exact for any dataset, no table to keep.
     scaled = train_x.float().div_(255)

@@ -12,9 +12,14 @@ import atexit
 import ctypes
 import io
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import select
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -106,9 +111,23 @@ def warm_up(start_method: str = "forkserver") -> None:
     if "torchvision" in sys.modules:
         preload.append("torchvision")
     mp.set_forkserver_preload(preload)  # takes effect when the server starts: once per process
+    _own_temp_dir()
     multiprocessing.forkserver.ensure_running()
     atexit.unregister(_stop_fork_server)  # once, however many runs
     atexit.register(_stop_fork_server)
+
+
+def _own_temp_dir() -> None:
+    """Give multiprocessing (the fork server's socket) a temporary directory named after this process.
+
+    Its own would be an anonymous ``pymp-*`` that a SIGKILLed launcher leaves behind; this one
+    the next run recognises as a dead process's and removes (``trainer._rendezvous_dir``).
+    """
+    config = getattr(multiprocessing.current_process(), "_config", None)
+    if config is not None and "tempdir" not in config:
+        config["tempdir"] = tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-mp-")
+        # Removed at exit after multiprocessing's own finalizers, as it removes its own.
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(config["tempdir"], True), exitpriority=-100)
 
 
 def _stop_fork_server() -> None:
@@ -129,19 +148,35 @@ def _context(start_method: str):
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
-    """Ask the kernel to SIGKILL this worker when its parent dies: no orphans, ever.
+    """End this worker the moment its launcher ends, however it ends: no orphans, ever.
 
-    The parent is the fork server (or, spawned, the launcher); the fork server exits as soon
-    as the launcher does, so either way a worker never outlives its launcher.
+    The kernel kills it when its parent dies (PR_SET_PDEATHSIG); the parent is the fork server
+    (or, spawned, the launcher itself). A forked worker also watches the launcher directly: the
+    fork server outlives the launcher while any of its children holds its end of the server's
+    pipe, which every worker does.
     """
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the parent's teardown still applies
+    except (OSError, AttributeError):  # not Linux: the launcher's teardown and the watch below still apply
         pass
     if os.getppid() != parent or not _alive(launcher_pid):  # gone before prctl took effect
         os._exit(1)
+    if parent != launcher_pid:
+        threading.Thread(target=_exit_with, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
+
+
+def _exit_with(pid: int) -> None:
+    """Block until process ``pid`` ends, then end this process at once."""
+    try:
+        handle = os.pidfd_open(pid)  # readable when the process has ended (Linux 5.3+)
+        if _alive(pid):
+            select.select([handle], [], [])
+    except (AttributeError, OSError):
+        while _alive(pid):
+            time.sleep(0.5)
+    os._exit(1)
 
 
 def _alive(pid: int) -> bool:

@@ -307,6 +307,30 @@ class Replica:
         self.reducer.close()
 
 
+class CpuClock:
+    """CPU seconds over the measured steps: this process's, and the whole machine's busy and total.
+
+    The launcher subtracts what the run's own processes used from what the machine did, and
+    so tells a shared machine from an idle one.
+    """
+
+    def start(self) -> None:
+        self._own, self._machine = self._read()
+
+    def stop(self) -> dict[str, float]:
+        if not hasattr(self, "_own"):
+            return {}
+        own, machine = self._read()
+        busy = {k: machine[k] - self._machine[k] for k in machine}
+        return {"own": own - self._own, "machine_busy": sum(v for k, v in busy.items() if k not in ("idle", "iowait")),
+                "machine_total": sum(busy.values())}
+
+    @staticmethod
+    def _read() -> tuple[float, dict[str, float]]:
+        mine = psutil.Process().cpu_times()
+        return mine.user + mine.system, psutil.cpu_times()._asdict()
+
+
 def own_pss() -> int:
     """This process's proportional set size (shared pages count 1/k), or 0 where unknown."""
     try:
@@ -368,13 +392,16 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
     skipped, stopped_at, diverged_at = 0, None, None
     started = last_log_time = time.perf_counter()
-    last_log_step = plan.start_step
+    last_log_step, last_log_phases = plan.start_step, dict(timer.seconds)
+    cpu = CpuClock()
     replica.model.train()
     for step in range(plan.start_step, plan.total_steps):
         if step == measure_from:  # warm-up over (if any): measure from here
             timer, eval_seconds = PhaseTimer(beat), 0.0
+            last_log_phases = dict(timer.seconds)
             started = time.perf_counter()
             psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
+            cpu.start()
         profiler.before(step)
         totals = replica.train_step(step, timer)
         profiler.after(step)
@@ -396,10 +423,13 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             break
         if reporting and (done % plan.log_every == 0 or end_of_epoch or done == plan.total_steps):
             now = time.perf_counter()
-            samples = (done - last_log_step) * plan.step_batch
+            steps = done - last_log_step
+            phase_ms = {p: 1000 * (timer.seconds[p] - last_log_phases[p]) / steps for p in PHASES}
             send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss,
-                               "lr": replica.current_lr(), "samples_per_sec": samples / (now - last_log_time)}))
-            last_log_step, last_log_time = done, now
+                               "lr": replica.current_lr(),
+                               "samples_per_sec": plan.samples(last_log_step, done) / (now - last_log_time),
+                               "phase_ms": phase_ms}))
+            last_log_step, last_log_time, last_log_phases = done, now, dict(timer.seconds)
         if plan.evaluate_each_epoch and (end_of_epoch or done == plan.total_steps):
             eval_started = time.perf_counter()
             eval_metrics = replica.evaluate(job.eval_set, beat)
@@ -413,6 +443,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
         cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
     profiler.stop()
     return {"pss_bytes": own_pss(), "phase_seconds": timer.seconds, "measured_steps": last - measure_from,
+            "cpu_seconds": cpu.stop(),
             "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
             "cpu_percent_per_core": cpu_percent, "skipped_steps": skipped, "stopped_at": stopped_at,
             "diverged_at": diverged_at, "comm": replica.reducer.name, **eval_metrics}

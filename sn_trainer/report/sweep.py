@@ -9,8 +9,11 @@ from typing import Any
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
 COLUMNS = ("job", "model", "batch_size", "workers", "threads", "per_worker_batch", "samples_per_sec",
-           "efficiency", "measured_steps", "mean_cpu_percent", "idle_cores",
+           "efficiency", "measured_steps", "mean_cpu_percent", "idle_cores", "other_cpu_percent",
            *[f"{p}_ms_per_step" for p in PHASES])
+
+
+SHARED_PERCENT = 5.0  # other processes' share of the machine above which a measurement is suspect
 
 
 class ReportError(ValueError):
@@ -57,6 +60,7 @@ def _row(job: str, summary: dict[str, Any]) -> dict[str, Any]:
         "measured_steps": steps,
         "mean_cpu_percent": sum(cpu) / len(cpu) if cpu else None,
         "idle_cores": sum(1 for c in cpu if c < 20) if cpu else None,  # cores under 20% busy
+        "other_cpu_percent": summary.get("other_cpu_percent"),  # the machine's CPU spent on other processes
     }
     for phase in PHASES:
         row[f"{phase}_ms_per_step"] = 1000 * summary["phase_seconds"][phase] / steps
@@ -101,6 +105,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     top = best(rows)
     lines.append(f"best: batch_size={top['batch_size']} workers={top['workers']} threads={top['threads']} "
                  f"({top['samples_per_sec']:.0f} samples/s, {top['per_worker_batch']:.1f} samples per worker)")
+    busy = [r for r in rows if (r["other_cpu_percent"] or 0) > SHARED_PERCENT]
+    if busy:
+        worst = max(busy, key=lambda r: r["other_cpu_percent"])
+        lines.append(f"warning: in {len(busy)} of {len(rows)} jobs other processes used more than {SHARED_PERCENT:g}% "
+                     f"of the machine's CPU (up to {worst['other_cpu_percent']:.0f}%, job {worst['job']}): those "
+                     "speeds mean little; rerun on an idle machine")
     return "\n".join(lines)
 
 
@@ -139,6 +149,7 @@ def _speed_vs_workers(ax, rows):
         ax.plot([r["workers"] for r in series], [r["samples_per_sec"] for r in series], marker="o",
                 linestyle="-" if threads == 1 else "--", label=f"batch {batch}, {threads} thread(s)/worker")
     _worker_axis(ax, rows)
+    ax.set_ylim(bottom=0)  # a speed axis starts at zero: differences look as large as they are
     ax.set_ylabel("training speed (samples/s)")
     ax.set_title("speed against workers")
     ax.legend(fontsize=8)
@@ -159,6 +170,7 @@ def _speed_vs_batch(ax, rows):
         ax.plot([r["batch_size"] for r in series], [r["samples_per_sec"] for r in series], marker="o",
                 linestyle="-" if threads == 1 else "--", label=f"{workers} worker(s) x {threads} thread(s)")
     ax.set_xlabel("global batch size (samples)")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("training speed (samples/s)")
     ax.set_title("speed against batch size")
     ax.legend(fontsize=8)
