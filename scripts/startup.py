@@ -1,0 +1,111 @@
+"""Start-up time: a bare ``import torch`` against the first ``fit`` of a process and the ones after it.
+
+Side by side in one run, alternating rounds: (a) ``python -c "import torch"``; (b) a fresh
+process that has imported sn_trainer, then times a one-step ``fit`` of LeNet with 2 workers
+(the first fit), then more one-step fits with new Trainer objects and other worker counts (later
+fits), with warm workers (the default, a fork server) and, for comparison, workers spawned cold.
+
+    python scripts/startup.py [--rounds 5] [--out results/startup]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sn_trainer.report.machine import describe_machine
+
+# Later fits: a new Trainer each, worker counts in this order.
+LATER = (2, 1, 2, 2)
+
+JOB = """
+import json, sys, time, functools
+import torch
+from torch.utils.data import TensorDataset
+from sn_trainer import Trainer
+from sn_trainer.models import build_model
+
+def fit(workers, start_method):
+    torch.manual_seed(0)
+    model = build_model("lenet", (1, 28, 28), 10)
+    data = TensorDataset(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))
+    started = time.perf_counter()
+    Trainer(workers=workers, batch_size=32, max_steps=1, log_every=10**9, start_method=start_method).fit(
+        model, data, optimizer=functools.partial(torch.optim.SGD, lr=0.01))
+    return time.perf_counter() - started
+
+if __name__ == "__main__":
+    start_method = sys.argv[1]
+    first = fit(2, start_method)
+    later = [fit(w, start_method) for w in %r]
+    print(json.dumps({"first": first, "later": later}))
+""" % (LATER,)
+
+
+def bare_import(code: str = "import torch") -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - started
+
+
+# What any plain training script pays before its first step: torch, and torch.optim's first
+# optimizer (which imports torch._dynamo).
+FIRST_OPTIMIZER = ("import torch; p = torch.nn.Parameter(torch.zeros(1)); p.grad = torch.ones(1); "
+                   "torch.optim.SGD([p], lr=0.1).step()")
+
+
+def fits(start_method: str, script: Path) -> dict:
+    out = subprocess.run([sys.executable, str(script), start_method], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="results/startup")
+    args = parser.parse_args()
+    script = Path(args.out).with_suffix(".job.py")
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(JOB)
+    samples: dict[str, list[float]] = {"bare import torch": [], "import torch + a first optimizer step": [],
+                                       "first fit, warm workers": [],
+                                       "later fits, warm workers": [], "first fit, spawned": [],
+                                       "later fits, spawned": []}
+    try:
+        for round_index in range(args.rounds):
+            samples["bare import torch"].append(bare_import())
+            samples["import torch + a first optimizer step"].append(bare_import(FIRST_OPTIMIZER))
+            for start_method, label in (("forkserver", "warm workers"), ("spawn", "spawned")):
+                timed = fits(start_method, script)
+                samples[f"first fit, {label}"].append(timed["first"])
+                samples[f"later fits, {label}"].extend(timed["later"])
+            print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in samples.items()),
+                  flush=True)
+    finally:
+        script.unlink(missing_ok=True)
+    bare = statistics.median(samples["bare import torch"])
+    rows = [{"what": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "n": len(v),
+             "over_bare_import": statistics.median(v) / bare} for k, v in samples.items()]
+    machine = describe_machine()
+    report = {"machine": machine, "rounds": args.rounds, "later_fit_workers": list(LATER), "rows": rows,
+              "command": "python scripts/startup.py"}
+    lines = ["# Start-up: a bare import of torch against fits of one step", "",
+             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
+             f"`{report['command']}`: {args.rounds} alternating rounds; each fit is a new Trainer and a one-step "
+             f"`fit` of LeNet (batch 32): the first with 2 workers, the later ones with {', '.join(map(str, LATER))} "
+             "workers, in the same process. Seconds, medians [min-max].", "",
+             "| what | seconds | / bare import |", "|---|---:|---:|"]
+    lines += [f"| {r['what']} | {r['median_s']:.2f} [{r['min_s']:.2f}-{r['max_s']:.2f}] | {r['over_bare_import']:.2f}x |"
+              for r in rows]
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
