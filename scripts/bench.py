@@ -5,11 +5,14 @@
 (c) sn:    sn_trainer with W workers (comm=auto), 1 thread each;
 (d) ideal: W independent pinned processes, each training its own replica on B/W samples with
            no communication at all: the ceiling of data parallelism on this machine.
-Every case runs in fp32 with contiguous tensors, in fp32 with channels_last (sn_trainer's default
-for conv nets, given to every variant alike), and in bf16 with channels_last.
-Rounds alternate over every variant and case, so that drift on a shared machine hits all alike;
-ratios are of medians. Also: sn_trainer with 1 worker (scaling), achieved GFLOP/s against the
-matmul peak measured in the same run, and the summed PSS of resnet18 workers, sn vs DDP.
+Every image case runs in fp32 with contiguous tensors, in fp32 with channels_last (sn_trainer's
+default for conv nets without batch norm, given to every variant alike), and in bf16 with
+channels_last; batch-norm nets also with sn_trainer's sync_batchnorm (its cost); a small GPT
+on character windows reports tokens/s. Rounds alternate over every variant and case, so that
+drift on a shared machine hits all alike; ratios are of medians. Also: sn_trainer with 1
+worker (scaling), achieved GFLOP/s against the matmul peak measured in the same run, and the
+memory of whole process trees (launcher and workers, the dataset made once and shared the
+same way in each), resnet18, sn vs DDP.
 
     python scripts/bench.py                 # the full table (about 25 minutes on 2 cores)
     python scripts/bench.py --quick         # one round, fewer steps: a smoke run
@@ -21,8 +24,9 @@ import functools
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,10 +41,14 @@ from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
+from sn_trainer.models.gpt import GPT as GPTModel
+from sn_trainer.models.gpt import language_model_step
 from sn_trainer.report.machine import bf16_supported, describe_machine
 from sn_trainer.report.memory import pss_bytes
 
-SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "resnet18": (3, 64, 64)}
+SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
+          "resnet18": (3, 64, 64)}
+GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # the gpt_text preset's size
 VARIANTS = ("plain", "ddp", "sn", "ideal")
 
 
@@ -57,20 +65,45 @@ class Case:
         return f"{self.model} b{self.batch}{suffix.rstrip()}"
 
 
+    @property
+    def batch_norm(self) -> bool:
+        return self.model in ("cifar10_quick_bn", "resnet18")
+
+    @property
+    def per_sample(self) -> int:
+        """What a sample counts: tokens for the GPT, images otherwise."""
+        return GPT["block"] if self.model == "gpt" else 1
+
+
 @dataclass(frozen=True)
 class Timing:
     warmup: int
     steps: int
 
+    def for_case(self, case: Case) -> "Timing":
+        """resnet18 steps are ~20x LeNet's: fewer of them, so that a round stays minutes long."""
+        return Timing(max(2, self.warmup // 4), max(4, self.steps // 5)) if case.model == "resnet18" else self
+
 
 def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(0)
+    if case.model == "gpt":
+        return GPTModel(GPT["vocab"], GPT["block"], GPT["n_layer"], GPT["n_head"], GPT["n_embd"])
     return build_model(case.model, SHAPES[case.model], 10)
 
 
 def make_data(case: Case, n: int = 4096) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
+    if case.model == "gpt":
+        tokens = torch.randint(0, GPT["vocab"], (n, GPT["block"] + 1), generator=g)
+        return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     return TensorDataset(torch.randn(n, *SHAPES[case.model], generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def batch_loss(case: Case, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if case.model == "gpt":
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), targets.flatten())
+    return torch.nn.functional.cross_entropy(out.float(), targets)
 
 
 def sgd():
@@ -86,7 +119,6 @@ def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, s
         model = model.to(memory_format=torch.channels_last)
     net = ddp_model(model) if ddp_model else model
     opt = sgd()(net.parameters())
-    loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(1)
     start = 0.0
     for step in range(timing.warmup + timing.steps):
@@ -101,7 +133,7 @@ def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, s
         opt.zero_grad(set_to_none=False)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
             out = net(x)
-        loss_fn(out.float(), targets[idx]).backward()
+        batch_loss(case, out, targets[idx]).backward()
         opt.step()
     return time.perf_counter() - start
 
@@ -111,20 +143,20 @@ def _pin(cpus, threads):
     torch.set_num_threads(threads)
 
 
-def plain_worker(_rank, case, timing, cpus, queue):
+def plain_worker(_rank, case, timing, cpus, data, queue):
     _pin(cpus, len(cpus))
-    seconds = timed_loop(make_model(case), make_data(case), case.batch, timing, case)
+    seconds = timed_loop(make_model(case), data, case.batch, timing, case)
     queue.put(case.batch * timing.steps / seconds)
 
 
-def ddp_worker(rank, case, timing, pinning, store, queue):
+def ddp_worker(rank, case, timing, pinning, store, data, queue):
     _pin(pinning[rank], 1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a benchmark on one machine: loopback only
     world = len(pinning)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     lo, hi = slice_bounds(case.batch, world, rank)
     wrap = functools.partial(torch.nn.parallel.DistributedDataParallel)
-    seconds = timed_loop(make_model(case), make_data(case), hi - lo, timing, case, ddp_model=wrap)
+    seconds = timed_loop(make_model(case), data, hi - lo, timing, case, ddp_model=wrap)
     slowest = torch.tensor([seconds])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -135,10 +167,10 @@ def ddp_worker(rank, case, timing, pinning, store, queue):
     os._exit(0)
 
 
-def ideal_worker(rank, case, timing, pinning, start_line, queue):
+def ideal_worker(rank, case, timing, pinning, start_line, data, queue):
     _pin(pinning[rank], 1)
     lo, hi = slice_bounds(case.batch, len(pinning), rank)
-    queue.put(timed_loop(make_model(case), make_data(case), hi - lo, timing, case, start_line=start_line))
+    queue.put(timed_loop(make_model(case), data, hi - lo, timing, case, start_line=start_line))
 
 
 def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
@@ -165,23 +197,29 @@ def spawn(fn, nprocs, *args) -> list:
 
 # --- one measurement of each variant -------------------------------------------------------------
 
-def measure(variant: str, case: Case, workers: int, timing: Timing, topology) -> float:
+def measure(variant: str, case: Case, workers: int, timing: Timing, topology, data=None) -> float:
+    """Samples/s of one variant. The dataset is made once, here, and reaches every process the same
+    way (shared memory), so memory compares like with like."""
     pinning = plan_pinning(topology, workers, 1)
+    data = data if data is not None else make_data(case)
+    for t in data.tensors:
+        t.share_memory_()
     if variant == "plain":
         cpus = tuple(c.cpus[0] for c in topology.cores)
-        return spawn(plain_worker, 1, case, timing, cpus)[0]
+        return spawn(plain_worker, 1, case, timing, cpus, data)[0]
     if variant == "ddp":
         with tempfile.TemporaryDirectory() as tmp:
-            return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store")[0]
+            return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store", data)[0]
     if variant == "ideal":
         start_line = mp.get_context("spawn").Barrier(workers)
         # A global batch is done when its last slice is: like DDP's and sn_trainer's, the
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
-        return case.batch * timing.steps / max(spawn(ideal_worker, workers, case, timing, pinning, start_line))
+        return case.batch * timing.steps / max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
-                     log_every=10**9).fit(make_model(case), make_data(case), optimizer=sgd())
+                     sync_batchnorm=variant == "sn_sync", log_every=10**9).fit(
+        make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
 
 
@@ -196,49 +234,53 @@ def flops_per_sample(case: Case) -> float:
 
     model, (inputs, targets) = make_model(case), make_data(case, n=case.batch).tensors
     with FlopCounterMode(display=False) as counter:
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        batch_loss(case, model(inputs), targets).backward()
     return counter.get_total_flops() / case.batch
 
 
-# --- memory: summed PSS of a run's processes, sampled from here ------------------------------------
+# --- memory: whole process trees (launcher and workers), each variant in a process of its own ----
 
-class PssSampler(threading.Thread):
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak, self._halt = 0, threading.Event()
-
-    def run(self):
-        me = psutil.Process()
-        while not self._halt.is_set():
-            total = 0
-            for child in me.children(recursive=True):
-                try:
-                    if "resource_tracker" not in " ".join(child.cmdline()):
-                        total += pss_bytes(child.pid)
-                except psutil.Error:
-                    continue
-            self.peak = max(self.peak, total)
-            self._halt.wait(0.2)
-
-    def stop(self) -> int:
-        self._halt.set()
-        self.join()
-        return self.peak
+def tree_pss(root: psutil.Process) -> int:
+    """Summed PSS of ``root`` and all its descendants (0 for those that just ended)."""
+    total = pss_bytes(root.pid)
+    for child in root.children(recursive=True):
+        total += pss_bytes(child.pid)
+    return total
 
 
-def memory_comparison(workers, topology) -> dict:
-    case, timing = Case("resnet18", 32), Timing(warmup=3, steps=12)
+MEMORY_CASE, MEMORY_TIMING = Case("resnet18", 32), Timing(warmup=3, steps=12)
+
+
+def memory_probe(variant: str, workers: int) -> None:
+    """Run one variant of the memory case in this process (its launcher); ``memory_comparison`` samples it."""
+    measure(variant, MEMORY_CASE, workers, MEMORY_TIMING, read_topology())
+
+
+def memory_comparison(workers: int) -> dict:
+    """Peak summed PSS of each variant's whole process tree, the launcher included, sampled every 0.2 s."""
     out = {}
     for variant in ("sn", "ddp"):
-        sampler = PssSampler()
-        sampler.start()
-        measure(variant, case, workers, timing, topology)
-        out[variant] = sampler.stop()
+        probe = subprocess.Popen([sys.executable, __file__, "--memory-probe", variant, "--workers", str(workers)])
+        root, peak = psutil.Process(probe.pid), 0
+        while probe.poll() is None:
+            try:
+                peak = max(peak, tree_pss(root))
+            except psutil.Error:
+                pass
+            time.sleep(0.2)  # sampling another process's memory: there is nothing to wait on instead
+        if probe.returncode != 0:
+            raise RuntimeError(f"the memory probe of {variant} failed with {probe.returncode}")
+        out[variant] = peak
     out["ratio_sn_over_ddp"] = out["sn"] / out["ddp"]
     return out
 
 
 # --- the run -------------------------------------------------------------------------------------
+
+def variants_of(case: Case) -> tuple[str, ...]:
+    extra = ("sn_sync",) if case.batch_norm else ()  # the cost of sync_batchnorm
+    return (*VARIANTS, *extra, "sn_1worker")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -248,50 +290,58 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
     parser.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
     parser.add_argument("--out", default="results/bench")
+    parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 20, 3
     topology = read_topology()
     workers = args.workers or topology.physical_cores
+    if args.memory_probe:
+        memory_probe(args.memory_probe, workers)
+        return
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 20, 3
     timing = Timing(args.warmup, args.steps)
     fp32 = [Case("lenet", 64), Case("lenet", 128), Case("lenet", 256), Case("cifar10_quick", 100),
             Case("cifar10_quick", 200)]
-    # The same with channels_last in every variant: sn_trainer's default for conv nets.
+    # The same with channels_last in every variant: sn_trainer's default for conv nets without batch norm.
     cases = fp32 + [Case(c.model, c.batch, "fp32", True) for c in fp32]
     if bf16_supported():
         cases += [Case("cifar10_quick", 100, "bf16", True), Case("cifar10_quick", 200, "bf16", True)]
     else:
         print("this CPU has no native bfloat16: the bf16 rows are left out")
+    cases += [Case("cifar10_quick_bn", 100), Case("cifar10_quick_bn", 200), Case("resnet18", 32),
+              Case("gpt", 32), Case("gpt", 64)]
 
     samples: dict[tuple[str, str], list[float]] = {}
     for round_index in range(args.rounds):
         for case in cases:
-            for variant in (*VARIANTS, "sn_1worker"):
-                rate = (measure("sn", case, 1, timing, topology) if variant == "sn_1worker"
-                        else measure(variant, case, workers, timing, topology))
+            for variant in variants_of(case):
+                rate = (measure("sn", case, 1, timing.for_case(case), topology) if variant == "sn_1worker"
+                        else measure(variant, case, workers, timing.for_case(case), topology))
                 samples.setdefault((case.label, variant), []).append(rate)
                 print(f"round {round_index + 1}: {case.label:24s} {variant:10s} {rate:9.1f} samples/s", flush=True)
 
     peak = {"fp32": matmul_peak(torch.float32, workers, topology)}
     if bf16_supported():
         peak["bf16"] = matmul_peak(torch.bfloat16, workers, topology)
-    memory = memory_comparison(workers, topology)
+    memory = memory_comparison(workers)
     rows = []
     for case in cases:
-        med = {v: statistics.median(samples[(case.label, v)]) for v in (*VARIANTS, "sn_1worker")}
+        med = {v: statistics.median(samples[(case.label, v)]) for v in variants_of(case)}
         spread = {v: [min(samples[(case.label, v)]), max(samples[(case.label, v)])] for v in med}
         fp32_plain = statistics.median(samples[(Case(case.model, case.batch).label, "plain")])
         gflops = flops_per_sample(case) * med["sn"] / 1e9
         rows.append({"case": case.label, **asdict(case), "per_worker_batch": case.batch / workers,
-                     "median": med, "min_max": spread,
+                     "median": med, "min_max": spread, "per_sample": case.per_sample,
                      "sn_over_plain": med["sn"] / med["plain"], "sn_over_ddp": med["sn"] / med["ddp"],
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
                      "sn_over_fp32_plain": med["sn"] / fp32_plain, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
+                     "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
     report = {"machine": describe_machine(), "workers": workers, "threads_per_worker": 1,
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
-              "data": "synthetic, in memory", "matmul_peak_gflops": peak, "memory_resnet18_pss_bytes": memory,
-              "rows": rows, "command": "python scripts/bench.py" + (" --quick" if args.quick else "")}
+              "data": "synthetic, in memory, made once and shared with every process", "matmul_peak_gflops": peak,
+              "memory_resnet18_pss_bytes": memory, "rows": rows,
+              "command": "python scripts/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -304,31 +354,42 @@ def markdown(report: dict) -> str:
     lines = [f"# sn_trainer against plain PyTorch, DDP-gloo and the ideal, W={report['workers']}", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores ({', '.join(m['isa'])}), "
              f"torch {m['torch']}. `{report['command']}`: {report['rounds']} rounds x {report['steps']} steps "
-             f"after {report['warmup']} warm-up, {report['optimizer']}, {report['data']}. Samples/s are medians "
-             "over rounds [min-max].", "",
+             f"after {report['warmup']} warm-up (resnet18: a fifth of the steps, a quarter of the warm-up), "
+             f"{report['optimizer']}, {report['data']}. Samples/s (tokens/s for the GPT) are medians over rounds "
+             "[min-max].", "",
              "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | sn/plain | sn/DDP | sn/ideal "
              "| DDP/ideal | sn 1->W | sn GFLOP/s (of peak) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        med, mm = r["median"], r["min_max"]
-        cell = {v: f"{med[v]:.0f} [{mm[v][0]:.0f}-{mm[v][1]:.0f}]" for v in VARIANTS}
+        med, mm, k = r["median"], r["min_max"], r["per_sample"]
+        cell = {v: f"{k * med[v]:.0f} [{k * mm[v][0]:.0f}-{k * mm[v][1]:.0f}]" for v in VARIANTS}
         lines.append(f"| {r['case']} | {r['per_worker_batch']:g} | {cell['plain']} | {cell['ddp']} | {cell['sn']} "
                      f"| {cell['ideal']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} | {r['sn_over_ideal']:.2f} "
                      f"| {r['ddp_over_ideal']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
                      f"({100 * r['sn_fraction_of_peak']:.0f}%) |")
-    lines.append("\nsn_trainer as it ships (channels_last=auto: on for these conv nets) against plain PyTorch as "
-                 "usually written (fp32, contiguous), same run:")
+    lines.append("\nsn_trainer as it ships (channels_last=auto: on for conv nets without batch norm) against plain "
+                 "PyTorch as usually written (fp32, contiguous), same run:")
     for r in report["rows"]:
         if r["channels_last"]:
             lines.append(f"- {r['case']}: sn_trainer / fp32 contiguous plain PyTorch = {r['sn_over_fp32_plain']:.2f}")
+    lines.append("\nBatch norm over the global batch (`sync_batchnorm=true`) against per-worker statistics, same "
+                 "run, samples/s [min-max]:\n\n| case | sn_trainer | sn_trainer, sync_batchnorm | ratio |\n"
+                 "|---|---:|---:|---:|")
+    for r in report["rows"]:
+        if r["sync_bn_over_sn"] is not None:
+            med, mm = r["median"], r["min_max"]
+            lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
+                         f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
+                         f"{r['sync_bn_over_sn']:.2f} |")
     peak = report["matmul_peak_gflops"]
     lines.append("\nMatmul peak measured in the same run (1024x1024, one pinned process per core): "
                  + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()) + ". GFLOP/s count the nominal "
                  "operations of direct convolution; oneDNN runs 5x5 convolutions faster than that count allows "
                  "at the matmul's rate, so the fraction can pass 100%: compare rows with it, not with 100%.")
     mem = report["memory_resnet18_pss_bytes"]
-    lines.append(f"\nresnet18 (3x64x64, batch 32), summed PSS of all workers: sn_trainer {mem['sn'] / 2**20:.0f} MiB, "
-                 f"DDP {mem['ddp'] / 2**20:.0f} MiB, ratio {mem['ratio_sn_over_ddp']:.2f}.")
+    lines.append(f"\nresnet18 (3x64x64, batch 32), peak summed PSS of the whole process tree (launcher, fork server "
+                 f"and workers; the dataset made once in the launcher and shared alike): sn_trainer "
+                 f"{mem['sn'] / 2**20:.0f} MiB, DDP {mem['ddp'] / 2**20:.0f} MiB, ratio {mem['ratio_sn_over_ddp']:.2f}.")
     return "\n".join(lines)
 
 

@@ -25,6 +25,20 @@ def test_every_variant_trains_and_reports_a_rate(variant, no_leaks):
     assert rate > 0
 
 
+@pytest.mark.parametrize("case, variant", [(bench.Case("cifar10_quick_bn", 8), "sn_sync"), (bench.Case("gpt", 4), "sn"),
+                                           (bench.Case("gpt", 4), "ddp")])
+def test_batch_norm_and_gpt_cases_run(case, variant, no_leaks):
+    assert variant in bench.variants_of(case)
+    assert bench.measure(variant, case, 2, bench.Timing(warmup=1, steps=2), read_topology()) > 0
+
+
+def test_memory_counts_a_whole_process_tree():
+    import psutil
+
+    me = psutil.Process()
+    assert bench.tree_pss(me) >= bench.pss_bytes(me.pid) > 0
+
+
 def test_layout_script_times_a_step_in_both_layouts():
     import layout  # scripts/ is on the path (above)
 
