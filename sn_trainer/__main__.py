@@ -24,7 +24,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except TrainingInterrupted as exc:
         _exit(128 + exc.signum, f"interrupted: {exc}; resume with resume={exc.checkpoint}"
               if exc.checkpoint else f"interrupted: {exc}")
-    except (WorkerFailed, TrainingDiverged) as exc:
+    except (WorkerFailed, TrainingDiverged, OSError) as exc:
         _exit(1, f"error: {exc}")
     except KeyboardInterrupt:
         _exit(130, "interrupted: stopped at once (second signal); no checkpoint of the current step")

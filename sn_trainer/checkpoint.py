@@ -109,7 +109,7 @@ class CheckpointDir:
 
 
 def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:
-    """``resume`` as a file: "latest" (in the checkpoint directory), a directory, or a file.
+    """What ``resume`` names: "latest" (the checkpoint directory), a directory, or a file.
 
     Raises:
         CheckpointError: nothing to resume from there.
@@ -121,14 +121,33 @@ def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:
     else:
         target = Path(resume).expanduser()
     if target.is_dir():
-        latest = CheckpointDir(target).latest()
-        if latest is None:
+        if CheckpointDir(target).latest() is None:
             raise CheckpointError(f"no checkpoint (step-*.pt) in {target} to resume from")
-        return latest
+        return target
     if not target.is_file():
         raise CheckpointError(f"resume={resume}: {target} does not exist; pass a checkpoint file, a checkpoint "
                               "directory, or latest")
     return target
+
+
+def load_resumable(target: Path) -> tuple[Path, dict[str, Any], list[str]]:
+    """The checkpoint to resume from: ``target`` itself, or a directory's newest one that loads.
+
+    A damaged newest checkpoint in a directory (a torn disk, a truncated copy) is passed over
+    for the one before it; what was passed over is returned, for the caller to say.
+
+    Raises:
+        CheckpointError: the file, or every checkpoint of the directory, cannot be used.
+    """
+    if not target.is_dir():
+        return target, load(target), []
+    passed = []
+    for _, path in reversed(CheckpointDir(target).steps()):
+        try:
+            return path, load(path), passed
+        except CheckpointError as exc:
+            passed.append(str(exc))
+    raise CheckpointError(f"no checkpoint in {target} can be resumed from: " + "; ".join(passed))
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:

@@ -273,7 +273,7 @@ class Trainer:
             if resume_from is None and self.cluster.restart_count > 0 and cfg.checkpoint_dir:
                 # torchrun restarted every node after a failure: all go on from the last checkpoint
                 # in the (shared) checkpoint directory.
-                resume_from = CheckpointDir(cfg.checkpoint_dir).latest()
+                resume_from = Path(cfg.checkpoint_dir) if CheckpointDir(cfg.checkpoint_dir).latest() else None
         facts = {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "seed": cfg.seed,
                  "drop_last": cfg.drop_last, "dataset_size": len(train_set)}
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -320,7 +320,7 @@ class Trainer:
                     log.warning("%s\nrestart %d of %d, from %s", failure, restarts, cfg.max_restarts,
                                 latest or resume_from or "the initial parameters")
                     if latest is not None:
-                        resume_from = latest
+                        resume_from = directory.path
                     elif resume_from is None:
                         model.load_state_dict(initial_state)
                     self._stop.clear_for_restart()
@@ -388,10 +388,12 @@ class Trainer:
                 raise ConfigError(f"node {node} runs {theirs} workers, this node {self.workers}: every node needs "
                                   "the same workers=... (set it explicitly rather than auto)")
 
-    def _resume(self, path, model: nn.Module, layout: FlatLayout, groups: Groups, total_steps: int,
+    def _resume(self, target: Path, model: nn.Module, layout: FlatLayout, groups: Groups, total_steps: int,
                 facts: dict[str, Any], run_config: dict[str, Any] | None) -> dict[str, Any]:
         """Load a checkpoint once, check it fits this run, and cut it into each worker's share."""
-        saved = checkpoint.load(path)
+        path, saved, passed = checkpoint.load_resumable(target)
+        for reason in passed:
+            log.warning("passing over a damaged checkpoint: %s", reason)
         _check_same_run(saved, path, facts, run_config, self.config.resume_strict)
         checkpoint.check_model(saved, model, path)
         if saved["step"] >= total_steps:
@@ -535,7 +537,11 @@ class _CheckpointWriter:
             optimizer = state.gather([p["optimizer"] for p in ordered], self.layout, self.groups.slot_groups)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
                                  {**self.facts, "workers": self.layout.world_size}, self.config)
-        self.last_saved = self.directory.save(saved)
+        try:
+            self.last_saved = self.directory.save(saved)
+        except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from
+            raise OSError(exc.errno, f"cannot write the checkpoint of step {step} to {self.directory.path} "
+                                     f"({exc.strerror}); the checkpoints before it are intact") from None
         log.info("checkpoint: %s", self.last_saved)
 
 

@@ -184,3 +184,26 @@ def test_a_killed_launcher_leaves_no_process_and_its_directory_goes_with_the_nex
     assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("pymp-")]
     assert live_children() == []
 
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_when_resuming_from_a_directory(tmp_path, caplog):
+    torch.manual_seed(0)
+    start = SmallConvNet()
+    whole = copy.deepcopy(start)
+    Trainer(workers=2, batch_size=8, max_steps=6, seed=3).fit(whole, tiny_dataset(), optimizer=SGD)
+    settings = dict(workers=2, batch_size=8, seed=3, checkpoint_dir=str(tmp_path), checkpoint_every_steps=2)
+    Trainer(max_steps=4, **settings).fit(copy.deepcopy(start), tiny_dataset(), optimizer=SGD)
+    newest = tmp_path / "step-000000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    resumed = copy.deepcopy(start)
+    Trainer(max_steps=6, resume="latest", **settings).fit(resumed, tiny_dataset(), optimizer=SGD)
+    assert "passing over a damaged checkpoint" in caplog.text and "step-000000004.pt is corrupt" in caplog.text
+    assert_same_parameters(resumed, whole)
+
+
+def test_chaos_script_runs_faults_and_finds_every_job_equal(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "chaos.py")
+    proc = subprocess.run([sys.executable, script, "--faults", "2", "--kinds", "kill_worker,term_group", "--seed", "5",
+                           "--out", str(tmp_path / "chaos")], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| **all** | 2 | 2 | 2 | | | 0 in all |" in (tmp_path / "chaos.md").read_text()
