@@ -20,6 +20,7 @@ same way in each), resnet18, sn vs DDP.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import functools
 import json
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
+from sn_trainer.engine.launch import allocator_library, available_allocators
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
@@ -185,6 +188,18 @@ def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
     queue.put(2 * 1024**3 * reps / (time.perf_counter() - start) / 1e9)
 
 
+@contextmanager
+def preloaded(allocator: str):
+    """Processes spawned inside run with ``allocator`` (LD_PRELOAD), as sn_trainer's workers can."""
+    library, before = allocator_library(allocator), os.environ.get("LD_PRELOAD")
+    if library:
+        os.environ["LD_PRELOAD"] = library
+    try:
+        yield
+    finally:
+        os.environ.pop("LD_PRELOAD", None) if before is None else os.environ.__setitem__("LD_PRELOAD", before)
+
+
 def spawn(fn, nprocs, *args) -> list:
     """Run ``fn(rank, *args, queue)`` in ``nprocs`` spawned processes; return what they queued."""
     queue = mp.get_context("spawn").SimpleQueue()
@@ -197,9 +212,83 @@ def spawn(fn, nprocs, *args) -> list:
 
 # --- one measurement of each variant -------------------------------------------------------------
 
+# --- the best-launched peers: PyTorch's own CPU launcher, run_cpu -----------------------------------
+
+def _library(name: str) -> Path | None:
+    """The file the dynamic loader would take for lib<name>, or None."""
+    found = ctypes.util.find_library(name)
+    if not found:
+        return None
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        if (Path(folder) / found).exists():
+            return Path(folder) / found
+    return None
+
+
+def run_cpu_env(tmp: str) -> dict[str, str]:
+    """An environment in which run_cpu finds this machine's tcmalloc, jemalloc and Intel OpenMP.
+
+    run_cpu looks for ``libtcmalloc.so``, ``libjemalloc.so`` and ``libiomp5.so`` under
+    ``$VIRTUAL_ENV/lib`` (among conda's and /usr/local's); Debian names them by version, and
+    intel-openmp (PyPI) puts libiomp5 in this environment's lib/.
+    """
+    lib = Path(tmp) / "lib"
+    lib.mkdir(exist_ok=True)
+    targets = {"libtcmalloc.so": _library("tcmalloc_minimal"), "libjemalloc.so": _library("jemalloc"),
+               "libiomp5.so": Path(sys.prefix) / "lib" / "libiomp5.so"}
+    for name, target in targets.items():
+        if target is not None and target.exists():
+            (lib / name).symlink_to(target)
+    return {**os.environ, "VIRTUAL_ENV": tmp}
+
+
+def run_cpu_measure(variant: str, case: Case, workers: int, timing: Timing, topology) -> float:
+    """Plain PyTorch or DDP, each process launched by ``python -m torch.backends.xeon.run_cpu`` with its
+    defaults: tcmalloc (else jemalloc) and Intel OpenMP preloaded, threads and cores set by it."""
+    spec = json.dumps({"case": asdict(case), "timing": asdict(timing)})
+    launcher = [sys.executable, "-m", "torch.backends.xeon.run_cpu"]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = run_cpu_env(tmp)
+        if variant == "plain_cpu":
+            out = subprocess.run([*launcher, "--ninstances", "1", "--ncores-per-instance",
+                                  str(topology.physical_cores), "--", __file__, "--one", spec, "plain"],
+                                 env=env, capture_output=True, text=True, check=True)
+            return float(out.stdout.strip().splitlines()[-1])
+        procs = [subprocess.Popen([*launcher, "--ninstances", str(workers), "--ncores-per-instance", "1", "--rank",
+                                   str(r), "--", __file__, "--one", spec, f"ddp:{r}:{workers}:{tmp}/store"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 for r in range(workers)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        return float(outputs[0].strip().splitlines()[-1])
+
+
+def one(spec: str, what: str) -> None:
+    """One process of a run_cpu-launched variant: print samples/s (DDP: rank 0, the slowest rank's)."""
+    raw = json.loads(spec)
+    case, timing = Case(**raw["case"]), Timing(**raw["timing"])
+    data = make_data(case)
+    if what == "plain":
+        print(case.batch * timing.steps / timed_loop(make_model(case), data, case.batch, timing, case))
+        return
+    _, rank, world, store = what.split(":", 3)
+    rank, world = int(rank), int(world)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    lo, hi = slice_bounds(case.batch, world, rank)
+    seconds = torch.tensor([timed_loop(make_model(case), data, hi - lo, timing, case,
+                                       ddp_model=torch.nn.parallel.DistributedDataParallel)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(case.batch * timing.steps / seconds.item(), flush=True)
+    dist.barrier()
+    os._exit(0)
+
+
 def measure(variant: str, case: Case, workers: int, timing: Timing, topology, data=None) -> float:
     """Samples/s of one variant. The dataset is made once, here, and reaches every process the same
     way (shared memory), so memory compares like with like."""
+    if variant in ("plain_cpu", "ddp_cpu"):
+        return run_cpu_measure(variant, case, workers, timing, topology)
     pinning = plan_pinning(topology, workers, 1)
     data = data if data is not None else make_data(case)
     for t in data.tensors:
@@ -210,15 +299,18 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
     if variant == "ddp":
         with tempfile.TemporaryDirectory() as tmp:
             return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store", data)[0]
-    if variant == "ideal":
+    if variant.startswith("ideal"):
         start_line = mp.get_context("spawn").Barrier(workers)
         # A global batch is done when its last slice is: like DDP's and sn_trainer's, the
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
-        return case.batch * timing.steps / max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
+        with preloaded(variant.partition("_")[2] or "system"):  # ideal_tcmalloc: the ideal with that allocator
+            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
+        return case.batch * timing.steps / seconds
+    allocator = variant.partition("_")[2] if variant in ("sn_jemalloc", "sn_tcmalloc") else "system"
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
-                     sync_batchnorm=variant == "sn_sync", log_every=10**9).fit(
+                     sync_batchnorm=variant == "sn_sync", allocator=allocator, log_every=10**9).fit(
         make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
 
@@ -277,9 +369,21 @@ def memory_comparison(workers: int) -> dict:
 
 # --- the run -------------------------------------------------------------------------------------
 
-def variants_of(case: Case) -> tuple[str, ...]:
+ALLOCATED = [a for a in ("jemalloc", "tcmalloc") if a in available_allocators()]
+
+
+def variants_of(case: Case, runtimes: bool = False) -> tuple[str, ...]:
     extra = ("sn_sync",) if case.batch_norm else ()  # the cost of sync_batchnorm
+    if runtimes:  # every variant with its best launch: run_cpu for the peers, an allocator for the ideal and sn
+        extra += ("plain_cpu", "ddp_cpu", *(f"ideal_{a}" for a in ALLOCATED), *(f"sn_{a}" for a in ALLOCATED))
     return (*VARIANTS, *extra, "sn_1worker")
+
+
+def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
+    """The fastest of a variant's launches (plain, plain_cpu; sn, sn_tcmalloc...)."""
+    name = max((v for v in med if v == prefix or v.startswith(prefix + "_")) - {"sn_1worker", "sn_sync"},
+               key=med.get)
+    return name, med[name]
 
 
 def main() -> None:
@@ -291,7 +395,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
     parser.add_argument("--out", default="results/bench")
     parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=2, metavar=("SPEC", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        one(*args.one)
+        return
     topology = read_topology()
     workers = args.workers or topology.physical_cores
     if args.memory_probe:
@@ -310,11 +418,13 @@ def main() -> None:
         print("this CPU has no native bfloat16: the bf16 rows are left out")
     cases += [Case("cifar10_quick_bn", 100), Case("cifar10_quick_bn", 200), Case("resnet18", 32),
               Case("gpt", 32), Case("gpt", 64)]
+    # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).
+    runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32"}
 
     samples: dict[tuple[str, str], list[float]] = {}
     for round_index in range(args.rounds):
         for case in cases:
-            for variant in variants_of(case):
+            for variant in variants_of(case, case.label in runtime_rows):
                 rate = (measure("sn", case, 1, timing.for_case(case), topology) if variant == "sn_1worker"
                         else measure(variant, case, workers, timing.for_case(case), topology))
                 samples.setdefault((case.label, variant), []).append(rate)
@@ -326,7 +436,8 @@ def main() -> None:
     memory = memory_comparison(workers)
     rows = []
     for case in cases:
-        med = {v: statistics.median(samples[(case.label, v)]) for v in variants_of(case)}
+        med = {v: statistics.median(samples[(case.label, v)])
+               for v in variants_of(case, case.label in runtime_rows)}
         spread = {v: [min(samples[(case.label, v)]), max(samples[(case.label, v)])] for v in med}
         fp32_plain = statistics.median(samples[(Case(case.model, case.batch).label, "plain")])
         gflops = flops_per_sample(case) * med["sn"] / 1e9
@@ -336,6 +447,7 @@ def main() -> None:
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
                      "sn_over_fp32_plain": med["sn"] / fp32_plain, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
+                     "runtimes": _runtimes(med) if case.label in runtime_rows else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
     report = {"machine": describe_machine(), "workers": workers, "threads_per_worker": 1,
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
@@ -347,6 +459,12 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report) + "\n")
     print(markdown(report))
+
+
+def _runtimes(med: dict[str, float]) -> dict:
+    plain, ideal, sn = best_of(med, "plain"), best_of(med, "ideal"), best_of(med, "sn")
+    return {"best_plain": plain, "best_ideal": ideal, "best_sn": sn, "ddp_cpu": med["ddp_cpu"],
+            "sn_over_best_plain": sn[1] / plain[1], "ideal_over_best_plain": ideal[1] / plain[1]}
 
 
 def markdown(report: dict) -> str:
@@ -381,6 +499,17 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
                          f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
                          f"{r['sync_bn_over_sn']:.2f} |")
+    lines.append("\nEvery variant with its best launch, same run: plain PyTorch and DDP launched by PyTorch's "
+                 "`python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel OpenMP, cores and threads "
+                 "set by it), the ideal and sn_trainer with each allocator; samples/s, the best launch named:\n\n"
+                 "| case | plain, best launch | DDP, run_cpu | ideal, best | sn_trainer, best (tuned runtime) "
+                 "| sn / best plain | ideal / best plain |\n|---|---|---:|---|---|---:|---:|")
+    for r in report["rows"]:
+        rt = r.get("runtimes")
+        if rt:
+            lines.append(f"| {r['case']} | {rt['best_plain'][1]:.0f} ({rt['best_plain'][0]}) | {rt['ddp_cpu']:.0f} "
+                         f"| {rt['best_ideal'][1]:.0f} ({rt['best_ideal'][0]}) | {rt['best_sn'][1]:.0f} "
+                         f"({rt['best_sn'][0]}) | {rt['sn_over_best_plain']:.2f} | {rt['ideal_over_best_plain']:.2f} |")
     peak = report["matmul_peak_gflops"]
     lines.append("\nMatmul peak measured in the same run (1024x1024, one pinned process per core): "
                  + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()) + ". GFLOP/s count the nominal "

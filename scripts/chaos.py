@@ -139,10 +139,14 @@ def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, rng: ra
     elif kind == "worker_raises":
         trigger.write_text("")
     elif kind == "full_disk":
-        free = os.statvfs(work / "ckpt")
-        filler = (free.f_bavail * free.f_frsize) - 64 * 1024  # less than one more checkpoint
-        with open(work / "ckpt" / "filler", "wb") as f:
-            f.write(b"\0" * max(0, filler))
+        fd = os.open(work / "ckpt" / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 65536):  # until the file system is full
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def damage_newest(work: Path) -> None:

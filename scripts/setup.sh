@@ -3,12 +3,14 @@
 # (.venv) holding sn_trainer and its test tools. Safe to run again; it skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Debian packages: Fashion-MNIST; for tests, iproute2 (two nodes in network namespaces) and
-# tmux (a real terminal for the progress bar).
-if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v ip > /dev/null || ! command -v tmux > /dev/null; then
+# Debian packages: Fashion-MNIST; the allocators workers may run with (allocator=jemalloc or
+# tcmalloc); for tests, iproute2 (two nodes in network namespaces) and tmux (a real terminal for
+# the progress bar).
+PACKAGES="dataset-fashion-mnist libjemalloc2 libtcmalloc-minimal4 iproute2 tmux"
+if ! dpkg -s $PACKAGES > /dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq dataset-fashion-mnist iproute2 tmux
+    $SUDO apt-get install -y -qq $PACKAGES
 fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

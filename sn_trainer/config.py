@@ -17,6 +17,7 @@ COMMS = ("auto", "shm", "gloo")
 PRECISIONS = ("fp32", "bf16")
 SHARDS = ("auto", "elements", "tensors")
 START_METHODS = ("forkserver", "spawn")
+ALLOCATORS = ("system", "jemalloc", "tcmalloc", "auto")
 SCHEDULES = ("constant", "cosine", "step")
 LOGGERS = ("none", "tensorboard")
 
@@ -83,6 +84,9 @@ class TrainerConfig:
     start_method: str = option("forkserver", "how workers start: `forkserver` (warm: forked from a server that "
                                              "has imported torch once per process) or `spawn` (a fresh interpreter "
                                              "each)")
+    allocator: str = option("system", "the workers' memory allocator: `system` (the C library's), `jemalloc`, "
+                                      "`tcmalloc`, or `auto` (what tuning measured fastest for this model, else "
+                                      "system)")
     log_every: int = option(100, "optimizer steps between progress records")
     eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
     measure_after: int = option(0, "warm-up steps left out of samples/s, phase seconds and CPU use", cli=False)
@@ -122,6 +126,7 @@ class TrainerConfig:
         _one_of(self.precision, "precision", PRECISIONS)
         _one_of(self.shards, "shards", SHARDS)
         _one_of(self.start_method, "start_method", START_METHODS)
+        _one_of(self.allocator, "allocator", ALLOCATORS)
         _require(isinstance(self.channels_last, bool) or self.channels_last == "auto",
                  f"channels_last must be true, false or auto, got {self.channels_last!r}")
         _require(isinstance(self.sync_batchnorm, bool),
@@ -264,6 +269,9 @@ class RunConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: bool = option(False, "write a torch.profiler trace of a few steps per worker into the output directory")
+    tune: bool = option(False, "first measure which workers x threads (and allocator) trains this model and batch "
+                               "fastest here, print the table, then train with it; the choice is cached for "
+                               "workers=auto")
     logger: str = option("tensorboard", "`tensorboard`: loss, lr, speed, milliseconds per phase, per-core CPU and "
                                         "evaluation as TensorBoard events in the output directory, written by the "
                                         "launcher; `none`")
@@ -281,6 +289,8 @@ class RunConfig:
         _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
         logger = raw.pop("logger", "tensorboard")
         _one_of(logger, "logger", LOGGERS)
+        tune = raw.pop("tune", False)
+        _require(isinstance(tune, bool), f"tune must be true or false, got {tune!r}")
         for key in [k for k in raw if k in _CHECKPOINT_KEYS]:
             raise ConfigError(f"unknown setting {key}; use checkpoint.{_CHECKPOINT_KEYS[key]}")
         api_only = sorted(k for k in raw if k in _api_only_keys())
@@ -289,7 +299,7 @@ class RunConfig:
         ckpt = parts["checkpoint"]
         trainer = _build(TrainerConfig, {**raw, **{key: getattr(ckpt, name) for key, name in _CHECKPOINT_KEYS.items()}},
                          None)
-        return cls(trainer=trainer, profile=profile, logger=logger, **parts)
+        return cls(trainer=trainer, profile=profile, logger=logger, tune=tune, **parts)
 
 
 def _api_only_keys() -> set[str]:
@@ -303,7 +313,7 @@ def _build(kind: type, values: dict[str, Any], prefix: str | None):
         where = f"{prefix}." if prefix else ""
         shown = sorted({("checkpoint.*" if k in _CHECKPOINT_KEYS else k) for k in known if k not in _api_only_keys()})
         if prefix is None:
-            shown = sorted(set(shown) | {"profile", "logger", *(f"{s}.*" for s in RunConfig.SECTIONS if s != "checkpoint")})
+            shown = sorted(set(shown) | {"profile", "logger", "tune", *(f"{s}.*" for s in RunConfig.SECTIONS if s != "checkpoint")})
         raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: {', '.join(where + k for k in shown)}")
     try:
         return kind(**values)
@@ -323,6 +333,7 @@ def option_rows() -> list[tuple[str, Any, str]]:
             continue
         rows.append((f.name, _default(f), f.metadata["help"]))
     rows.append(("profile", False, _help(RunConfig, "profile")))
+    rows.append(("tune", False, _help(RunConfig, "tune")))
     rows.append(("logger", "tensorboard", _help(RunConfig, "logger")))
     for section, kind in RunConfig.SECTIONS.items():
         for f in fields(kind):

@@ -75,6 +75,14 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
              f" on each of {placement.nodes} nodes" if placement.nodes > 1 else "", settings.batch_size,
              settings.batch_size / placement.global_workers, total_steps, lr)
     _warn_of_a_short_run(cfg, total_steps, lr)
+    if cfg.tune and not cfg.bench.enabled:
+        tuned = trainer.tune(model, data.train, optimizer=build_optimizer(cfg.optim, step_batch), step_fn=step_fn,
+                             param_groups=param_groups)
+        print(tuned.table(), flush=True)
+        settings = dataclasses.replace(settings, workers=tuned.workers, threads=tuned.threads,
+                                       allocator=tuned.allocator)
+        trainer = Trainer.from_config(settings, cluster)
+        placement = trainer.placement
     sinks = [ProgressLog(out, total_steps)]
     if cfg.logger == "tensorboard":
         from .report.tensorboard import TensorBoardLog

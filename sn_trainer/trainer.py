@@ -14,6 +14,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
 from .engine.comm import SHM_SAFE, ShmBuffers
-from .engine.launch import Heartbeats, Watchdog, launch, unpack, warm_up
+from .engine.launch import (Heartbeats, Watchdog, allocator_library, available_allocators, launch, starts_warm,
+                            unpack, warm_up)
 from .engine.layout import FlatLayout, trainable_parameters
 from .engine.objective import Objective
 from .engine.plan import Placement, Plan
@@ -44,6 +46,7 @@ from .engine.topology import auto_workers, plan_pinning, read_topology
 from .engine.worker import PHASES, Job, WorkerSpec, run_worker
 from .errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 from .optim import Groups, resolve_groups, shard_kind
+from . import tune
 from .preflight import rehearse
 from .report.machine import bf16_supported
 from .report.memory import PeakMemory
@@ -139,7 +142,8 @@ class Trainer:
         self.cluster = cluster
         self.topology = read_topology()
         self.placement = self._place()
-        warm_up(self.config.start_method)  # the fork server imports torch while this process goes on
+        if self.config.allocator != "auto":  # auto is known at fit: the fork server will start then, with it
+            warm_up(self.config.start_method, self.config.allocator)  # it imports torch while this process goes on
         # Shared with the workers for all of this Trainer's runs: a stop request outlives restarts.
         self._stop = StopFlags.allocate()
 
@@ -151,10 +155,13 @@ class Trainer:
     def workers(self) -> int:
         return self.placement.workers
 
-    def _place(self) -> Placement:
-        """Workers, pinning, the reducer and the precision this machine gives for the settings."""
+    def _place(self, tuned: dict[str, Any] | None = None) -> Placement:
+        """Workers, pinning, the reducer, precision and allocator this machine gives for the settings
+        (``tuned``: the cached choice for this model, where workers or the allocator are auto)."""
         cfg, nodes = self.config, self.cluster.nodes if self.cluster else 1
-        workers = auto_workers(self.topology, cfg.threads) if cfg.workers == "auto" else cfg.workers
+        threads = tuned["threads"] if tuned and cfg.workers == "auto" else cfg.threads
+        workers = (tuned["workers"] if tuned else auto_workers(self.topology, threads)) if cfg.workers == "auto" \
+            else cfg.workers
         if cfg.batch_size < workers * nodes:
             raise ConfigError(f"batch_size={cfg.batch_size} is smaller than workers={workers}"
                               f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
@@ -172,12 +179,68 @@ class Trainer:
             if comm == "shm":
                 notes.append("comm=shm asked for, gloo ran: the shared-memory barrier relies on x86-64's store order")
             comm = "gloo"
+        allocator = cfg.allocator if cfg.allocator != "auto" else (tuned or {}).get("allocator", "system")
+        allocator_library(allocator)  # installed, or say how to install it
+        start_method = cfg.start_method
+        if start_method == "forkserver" and not starts_warm(start_method, allocator):
+            notes.append(f"allocator={allocator}: this process's warm workers run another allocator, so these "
+                         "workers were spawned (cold) with it")
+            start_method = "spawn"
         for note in notes:
             log.warning(note)
-        return Placement(workers=workers, threads=cfg.threads,
-                         pinning=tuple(plan_pinning(self.topology, workers, cfg.threads)), nodes=nodes,
-                         node_rank=self.cluster.node_rank if self.cluster else 0, comm=comm, reduce=cfg.reduce,
-                         bucket_kb=cfg.bucket_kb, precision=precision, notes=tuple(notes))
+        return Placement(workers=workers, threads=threads, pinning=tuple(plan_pinning(self.topology, workers, threads)),
+                         nodes=nodes, node_rank=self.cluster.node_rank if self.cluster else 0, comm=comm,
+                         reduce=cfg.reduce, bucket_kb=cfg.bucket_kb, precision=precision, allocator=allocator,
+                         start_method=start_method, notes=tuple(notes))
+
+    def _place_for(self, model: nn.Module) -> Placement:
+        """With workers or allocator auto, what tuning cached for this model and batch, if anything."""
+        cfg = self.config
+        if "auto" not in (cfg.workers, cfg.allocator) or self.cluster is not None:
+            return self.placement
+        entry = tune.load(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision))
+        if entry is None:
+            return self._place() if cfg.allocator == "auto" else self.placement
+        log.info("%s: the tuned setting measured %s (%.0f samples/s): %d workers x %d threads, allocator %s (%s)",
+                 "workers=auto" if cfg.workers == "auto" else "allocator=auto", entry["measured_at"],
+                 entry["samples_per_sec"], entry["workers"], entry["threads"], entry["allocator"], tune.cache_path())
+        return self._place(entry)
+
+    def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
+             param_groups=None, steps: int = 12, warmup: int = 3, top: int = 3,
+             allocators: list[str] | None = None, cache: bool = True) -> "tune.TuneResult":
+        """Measure which workers x threads (and allocator) trains ``model`` fastest at this batch here.
+
+        A cost model is calibrated with a few short fits (one worker at two batch sizes, one per
+        thread count, two workers), predicts every candidate, and the best ``top`` are measured
+        with short real fits; then the allocators at the winner. The global batch stays as set.
+        The choice is cached for ``workers=auto`` (and ``allocator=auto``).
+        """
+        import copy
+
+        cfg, started = self.config, time.monotonic()
+        allocators = allocators if allocators is not None else available_allocators()
+
+        def measure(workers: int, threads: int, batch: int, allocator: str) -> tuple[float, float]:
+            trainer = Trainer(**{**asdict(cfg), "workers": workers, "threads": threads, "batch_size": batch,
+                                 "allocator": allocator, "max_steps": warmup + steps, "measure_after": warmup,
+                                 "checkpoint_dir": None, "resume": None, "log_every": 10**9})
+            result = trainer.fit(copy.deepcopy(model), train_set, optimizer=optimizer, loss_fn=loss_fn,
+                                 step_fn=step_fn, param_groups=param_groups)
+            log.info("tune: %d workers x %d threads, batch %d, %s: %.0f samples/s", workers, threads, batch,
+                     allocator, result.samples_per_sec)
+            return result.samples_per_sec, result.train_seconds / result.measured_steps
+
+        calibration, rows, by_allocator = tune.search(measure, self.topology.physical_cores, cfg.batch_size,
+                                                      allocators, top)
+        best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+        allocator = max(by_allocator, key=by_allocator.get)
+        result = tune.TuneResult(best["workers"], best["threads"], allocator, by_allocator[allocator], rows,
+                                 calibration, time.monotonic() - started, allocators=by_allocator)
+        if cache:
+            path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)
+            log.info("tune: cached in %s for workers=auto", path)
+        return result
 
     def steps(self, num_samples: int) -> tuple[int, int]:
         """Optimizer steps per epoch and in all, for a training set of ``num_samples``.
@@ -235,7 +298,8 @@ class Trainer:
             TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
-        cfg, placement = self.config, self.placement
+        cfg = self.config
+        placement = self.placement = self._place_for(model)
         objective = _objective(loss_fn, step_fn, metric_fn)
         check_sample(train_set, "train_set", objective.pairs)
         if eval_set is not None:
@@ -463,7 +527,7 @@ class Trainer:
             where = f"node {self.cluster.node_rank} " if self.cluster else ""
             results = launch(target, specs, on_message=relay, stop=self._stop, where=where,
                              watchdog=Watchdog(heartbeats, plan.worker_timeout, on_tick=peak),
-                             start_method=self.config.start_method)
+                             start_method=placement.start_method, allocator=placement.allocator)
             return results, peak.peak_bytes
         finally:
             SharedParams.release(model)

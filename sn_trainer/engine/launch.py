@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import ctypes.util
 import io
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -23,13 +24,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import WorkerFailed
+from ..errors import ConfigError, WorkerFailed
 from .signals import StopFlags, stop_on_signals
 
 _PR_SET_PDEATHSIG = 1
@@ -97,22 +99,71 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 START_METHODS = ("forkserver", "spawn")
+# The memory allocators a worker may run with (preloaded), by the library each needs.
+ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
+_PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+
+# The allocator the fork server of this process was started with: it cannot change afterwards.
+_server: dict[str, str] = {}
 
 
-def warm_up(start_method: str = "forkserver") -> None:
+def allocator_library(allocator: str) -> str | None:
+    """The shared library to preload for ``allocator`` (None: the C library's own malloc).
+
+    Raises:
+        ConfigError: the library is not installed.
+    """
+    if ALLOCATORS[allocator] is None:
+        return None
+    library = ctypes.util.find_library(ALLOCATORS[allocator])
+    if library is None:
+        raise ConfigError(f"allocator={allocator}: lib{ALLOCATORS[allocator]} is not installed; install it "
+                          f"(Debian: apt-get install {_PACKAGES[allocator]}) or use allocator=system")
+    return library
+
+
+def available_allocators() -> list[str]:
+    return [name for name, lib in ALLOCATORS.items() if lib is None or ctypes.util.find_library(lib)]
+
+
+@contextmanager
+def _preloading(allocator: str):
+    """Processes started inside run with ``allocator`` (LD_PRELOAD); this one's environment is restored after."""
+    library, before = allocator_library(allocator), os.environ.get("LD_PRELOAD")
+    if library:
+        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
+def starts_warm(start_method: str, allocator: str) -> bool:
+    """Whether workers with ``allocator`` can come from this process's fork server."""
+    return (start_method == "forkserver" and "forkserver" in mp.get_all_start_methods()
+            and _server.get("allocator", allocator) == allocator)
+
+
+def warm_up(start_method: str = "forkserver", allocator: str = "system") -> None:
     """Start the fork server now, so that it imports torch while this process does other work.
 
     Its preload: this process's main module (as spawn would import it), the worker's code (and
-    with it torch), torchvision when this process uses it, and ``_forkserver_preload``.
+    with it torch), torchvision when this process uses it, and ``_forkserver_preload``. It runs
+    with ``allocator`` for good: the first call decides.
     """
-    if start_method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+    if not starts_warm(start_method, allocator):
         return
     preload = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
     if "torchvision" in sys.modules:
         preload.append("torchvision")
     mp.set_forkserver_preload(preload)  # takes effect when the server starts: once per process
     _own_temp_dir()
-    multiprocessing.forkserver.ensure_running()
+    with _preloading(allocator):
+        multiprocessing.forkserver.ensure_running()
+    _server["allocator"] = allocator
     atexit.unregister(_stop_fork_server)  # once, however many runs
     atexit.register(_stop_fork_server)
 
@@ -140,9 +191,9 @@ def _stop_fork_server() -> None:
             pass
 
 
-def _context(start_method: str):
-    if start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
-        warm_up(start_method)
+def _context(start_method: str, allocator: str):
+    if starts_warm(start_method, allocator):
+        warm_up(start_method, allocator)
         return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
@@ -225,23 +276,26 @@ def launch(
     where: str = "",
     tick_s: float = 1.0,
     start_method: str = "forkserver",
+    allocator: str = "system",
 ) -> list[Any]:
     """Run ``target(payload, send)`` in one new process per payload; return their results.
 
     ``send(message)`` in a worker delivers ``on_message(rank, message)`` here. About every
     ``tick_s`` seconds the watchdog gets the workers' pids (memory sampling) and checks their
-    heartbeats. ``where`` prefixes worker names in errors (the node, under torchrun).
+    heartbeats. ``where`` prefixes worker names in errors (the node, under torchrun). Workers run
+    with ``allocator``: from the fork server when it runs that one, else spawned with it.
 
     Raises:
         WorkerFailed: as soon as one worker raises, dies or hangs; by then every worker is dead.
     """
-    ctx = _context(start_method)
+    ctx = _context(start_method, allocator)
     procs, conns = [], []
     try:
         for payload in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
-            proc.start()
+            with _preloading(allocator if ctx.get_start_method() == "spawn" else "system"):
+                proc.start()
             theirs.close()
             procs.append(proc)
             conns.append(mine)

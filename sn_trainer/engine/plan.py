@@ -18,6 +18,8 @@ class Placement:
     reduce: str = "all_reduce"
     bucket_kb: int = 256
     precision: str = "fp32"  # what runs, after any fallback
+    allocator: str = "system"  # the workers' memory allocator
+    start_method: str = "forkserver"  # what starts the workers: warm (fork server) or spawn
     notes: tuple[str, ...] = ()  # what was asked for but could not be had here, and what ran instead
 
     @property
@@ -86,7 +88,8 @@ class Plan:
         """What the run used, for FitResult and summary.json."""
         p = self.placement
         return {"workers": p.workers, "threads": p.threads, "nodes": p.nodes, "pinning": [list(c) for c in p.pinning],
-                "comm": comm_used or p.comm, "reduce": p.reduce, "precision": p.precision,
+                "comm": comm_used or p.comm, "reduce": p.reduce, "precision": p.precision, "allocator": p.allocator,
+                "start_method": p.start_method,
                 "channels_last": self.channels_last, "shards": self.shards, "sync_batchnorm": self.sync_batchnorm,
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
                 "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,

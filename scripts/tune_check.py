@@ -1,0 +1,124 @@
+"""The tuner against an exhaustive sweep of the same grid (workers x threads x allocator), side by side.
+
+For each case, every point of the grid is measured (``--rounds`` alternating rounds, medians),
+and the tuner (``Trainer.tune``, as it ships) runs once in between: its choice is then read off
+the sweep's own measurements. Reported: the tuned choice against the sweep's best, and the
+tuner's wall time against the sweep's.
+
+    python scripts/tune_check.py [--rounds 2] [--out results/tune]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from sn_trainer import Trainer, tune
+from sn_trainer.engine.launch import available_allocators
+from sn_trainer.engine.topology import read_topology
+from sn_trainer.models import build_model
+from sn_trainer.report.machine import describe_machine
+
+CASES = [("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 200)]
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def model_and_data(name, shape):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return build_model(name, shape, 10), TensorDataset(torch.randn(4096, *shape, generator=g),
+                                                      torch.randint(0, 10, (4096,), generator=g))
+
+
+def sweep_point(name, shape, batch, workers, threads, allocator, steps, warmup) -> float:
+    model, data = model_and_data(name, shape)
+    result = Trainer(workers=workers, threads=threads, batch_size=batch, allocator=allocator,
+                     max_steps=warmup + steps, measure_after=warmup, log_every=10**9).fit(model, data, optimizer=SGD)
+    return result.samples_per_sec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--out", default="results/tune")
+    args = parser.parse_args()
+    cores = read_topology().physical_cores
+    allocators = available_allocators()
+    report = {"machine": describe_machine(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+              "allocators": allocators, "cases": [], "command": "python scripts/tune_check.py"}
+    for name, shape, batch in CASES:
+        grid = [(w, t, a) for w, t in tune.candidates(cores, batch) for a in allocators]
+        samples: dict[tuple, list[float]] = {point: [] for point in grid}
+        sweep_seconds = 0.0
+        tuned = None
+        for round_index in range(args.rounds):
+            started = time.monotonic()
+            for point in grid:
+                samples[point].append(sweep_point(name, shape, batch, *point, args.steps, args.warmup))
+            sweep_seconds += time.monotonic() - started
+            if tuned is None:  # the tuner, as it ships, on a cache of its own
+                with tempfile.TemporaryDirectory() as cache:
+                    os.environ["XDG_CACHE_HOME"] = cache
+                    model, data = model_and_data(name, shape)
+                    tuned = Trainer(batch_size=batch).tune(model, data, optimizer=SGD)
+                    del os.environ["XDG_CACHE_HOME"]
+        medians = {point: statistics.median(v) for point, v in samples.items()}
+        best = max(medians, key=medians.get)
+        choice = (tuned.workers, tuned.threads, tuned.allocator)
+        row = {"model": name, "batch": batch, "sweep": [{"workers": w, "threads": t, "allocator": a,
+                                                         "samples_per_sec": medians[(w, t, a)],
+                                                         "rounds": samples[(w, t, a)]} for w, t, a in grid],
+               "sweep_best": {"point": list(best), "samples_per_sec": medians[best]},
+               "tuned": {"point": list(choice), "samples_per_sec_in_sweep": medians[choice],
+                         "table": tuned.table(), "seconds": tuned.seconds},
+               "tuned_over_best": medians[choice] / medians[best],
+               "sweep_seconds": sweep_seconds, "tuner_over_sweep_time": tuned.seconds / sweep_seconds}
+        report["cases"].append(row)
+        print(f"{name} b{batch}: sweep best {best} {medians[best]:.0f}/s; tuned {choice} {medians[choice]:.0f}/s "
+              f"({row['tuned_over_best']:.2f}x) in {tuned.seconds:.0f} s against the sweep's {sweep_seconds:.0f} s "
+              f"({row['tuner_over_sweep_time']:.2f})", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report) + "\n")
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = ["# The tuner against an exhaustive sweep", "",
+             f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, torch {m['torch']}. "
+             f"`{report['command']}`: every point of workers x threads x allocator ({', '.join(report['allocators'])}), "
+             f"{report['rounds']} alternating rounds of {report['steps']} steps after {report['warmup']}, medians; "
+             "the tuner (`Trainer.tune` as it ships) ran once, between the rounds, and its choice is read off the "
+             "sweep's own measurements.", "",
+             "| case | sweep's best | samples/s | tuned choice | its samples/s in the sweep | tuned / best "
+             "| tuner's seconds | sweep's seconds | tuner / sweep time |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for c in report["cases"]:
+        best, tuned = c["sweep_best"], c["tuned"]
+        lines.append(f"| {c['model']} b{c['batch']} | {' x '.join(map(str, best['point']))} | "
+                     f"{best['samples_per_sec']:.0f} | {' x '.join(map(str, tuned['point']))} | "
+                     f"{tuned['samples_per_sec_in_sweep']:.0f} | {c['tuned_over_best']:.2f} | {tuned['seconds']:.0f} | "
+                     f"{c['sweep_seconds']:.0f} | {c['tuner_over_sweep_time']:.2f} |")
+    lines += ["", "Every point (workers x threads x allocator: samples/s, median):", ""]
+    for c in report["cases"]:
+        lines.append(f"- {c['model']} b{c['batch']}: " + "; ".join(
+            f"{p['workers']}x{p['threads']} {p['allocator']} {p['samples_per_sec']:.0f}" for p in c["sweep"]))
+    lines += ["", "The tuner's own tables:", ""]
+    for c in report["cases"]:
+        lines += [f"{c['model']} b{c['batch']}:", "```", c["tuned"]["table"], "```"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

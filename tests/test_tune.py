@@ -1,0 +1,129 @@
+"""Tuning: the cost model's maths on synthetic timings, the search, the cache, and workers=auto reusing it."""
+import json
+
+import pytest
+import torch
+
+from helpers import SmallConvNet, tiny_dataset
+from sn_trainer import Trainer, tune
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_line_through_timings_recovers_fixed_and_per_sample_costs():
+    alpha, beta = tune.fit_line([(16, 0.002 + 16 * 1e-4), (64, 0.002 + 64 * 1e-4), (128, 0.002 + 128 * 1e-4)])
+    assert alpha == pytest.approx(0.002) and beta == pytest.approx(1e-4)
+    assert tune.fit_line([(10, 0.5)]) == (0.0, 0.05)
+
+
+def test_the_model_shows_the_knee_of_the_papers_figures():
+    # 2 ms a step that no batch shrinks, 0.1 ms a sample, 1 ms to synchronise 2 workers.
+    cal = tune.Calibration({1: (0.002, 1e-4)}, sync_two=0.001, sync_per_doubling=0.0005)
+    machine, batch = tune.Machine(cores=64), 128
+    rates = {w: tune.predict(cal, machine, batch, w, 1) for w in (1, 2, 4, 8, 16, 32, 64)}
+    assert rates[1] == pytest.approx(128 / (0.002 + 0.0128))
+    assert rates[2] == pytest.approx(128 / (0.002 + 0.0064 + 0.001))
+    assert rates[8] == pytest.approx(128 / (0.002 + 0.0016 + 0.001 + 0.0005 * 2))
+    knee = max(rates, key=rates.get)
+    assert 4 <= knee <= 16  # too few samples per worker beyond it: the fixed cost and the sync dominate
+    assert rates[64] < rates[knee]
+
+
+def test_shared_cores_and_memory_bandwidth_slow_predictions_down():
+    cal = tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0, bytes_per_sample=1e6)
+    assert tune.predict(cal, tune.Machine(cores=2), 64, 4, 1) == pytest.approx(tune.predict(
+        cal, tune.Machine(cores=4), 64, 4, 1) / 2)  # 4 workers on 2 cores: half as fast
+    fast = tune.predict(cal, tune.Machine(cores=8, bandwidth_gbs=100), 64, 8, 1)
+    starved = tune.predict(cal, tune.Machine(cores=8, bandwidth_gbs=2), 64, 8, 1)
+    assert fast == pytest.approx(64 / 8e-3) and starved == pytest.approx(2e9 / 1e6)  # bandwidth-bound
+
+
+def test_threads_not_measured_split_the_per_sample_work_of_the_nearest_below():
+    cal = tune.Calibration({1: (0.001, 1e-4), 2: (0.001, 6e-5)}, 0.0, 0.0)
+    assert tune.compute_seconds(cal, 4, 100) == pytest.approx(0.001 + 6e-5 * 2 / 4 * 100)
+
+
+def test_the_search_verifies_the_best_predictions_and_the_allocators():
+    calls = []
+
+    def measure(workers, threads, batch, allocator):  # a machine where 2 workers pay off, and tcmalloc does
+        calls.append((workers, threads, batch, allocator))
+        seconds = 0.001 + 1e-4 * batch / workers / threads ** 0.5 + (0.0005 if workers > 1 else 0.0)
+        seconds /= 1.2 if allocator == "tcmalloc" else 1.0
+        return batch / seconds, seconds
+
+    cal, rows, allocators = tune.search(measure, cores=2, batch=128, allocators=["system", "tcmalloc"])
+    assert cal.compute[1] == pytest.approx((0.001, 1e-4))
+    assert {(r["workers"], r["threads"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
+    best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+    assert (best["workers"], best["threads"]) == (2, 1)
+    assert allocators["tcmalloc"] > allocators["system"]
+    assert calls[-1] == (2, 1, 128, "tcmalloc")  # the allocators are tried at the winner
+    assert len(calls) <= 6  # calibration reuses its runs: no candidate is measured twice
+
+
+def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = SmallConvNet()
+    key = tune.cache_key(model, 64, 1, "fp32")
+    assert key != tune.cache_key(model, 128, 1, "fp32") != tune.cache_key(SmallConvNet(classes=4), 64, 1, "fp32")
+    assert key != tune.cache_key(model, 64, 1, "bf16")
+    result = tune.TuneResult(2, 1, "system", 1000.0, [], tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0)
+    path = tune.store(key, result)
+    assert path == tmp_path / "sn_trainer" / "tune.json"
+    assert tune.load(key)["workers"] == 2
+    cache = json.loads(path.read_text())
+    cache[key]["versions"]["torch"] = "0.0.1"  # measured with other software: not carried over
+    path.write_text(json.dumps(cache))
+    assert tune.load(key) is None
+    assert tune.load("no such key") is None
+
+
+def test_tune_measures_caches_and_workers_auto_uses_it(tmp_path, monkeypatch, caplog):
+    import functools
+    import logging
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    model, sgd = SmallConvNet(), functools.partial(torch.optim.SGD, lr=0.01)
+    result = Trainer(batch_size=16).tune(model, tiny_dataset(n=160), optimizer=sgd, steps=3, warmup=1,
+                                         allocators=["system"])
+    assert any(r["measured"] for r in result.rows) and result.samples_per_sec > 0
+    assert (result.workers, result.threads) in {(r["workers"], r["threads"]) for r in result.rows}
+    assert "best: workers=" in result.table()
+    fitted = Trainer(batch_size=16, max_steps=2).fit(model, tiny_dataset(n=160), optimizer=sgd)
+    assert (fitted.workers, fitted.threads) == (result.workers, result.threads)
+    assert "workers=auto: the tuned setting measured" in caplog.text
+
+
+def test_an_allocator_is_preloaded_in_the_workers(tmp_path):
+    from sn_trainer.engine.launch import available_allocators
+
+    probe = AllocatorProbe(SmallConvNet(), str(tmp_path))
+    allocator = [a for a in available_allocators() if a != "system"]
+    if not allocator:
+        pytest.fail("no jemalloc or tcmalloc here: scripts/setup.sh installs them")
+    result = Trainer(workers=2, batch_size=8, max_steps=2, allocator=allocator[0]).fit(probe, tiny_dataset())
+    maps = [p.read_text() for p in tmp_path.glob("*.maps")]
+    assert len(maps) == 2 and all(("jemalloc" if allocator[0] == "jemalloc" else "tcmalloc") in m for m in maps)
+    assert result.plan["allocator"] == allocator[0]
+
+
+class AllocatorProbe(torch.nn.Module):
+    """Writes down, from each worker, which shared libraries it has mapped."""
+
+    def __init__(self, inner, out_dir):
+        import os
+
+        super().__init__()
+        self.inner, self.out_dir, self.done, self.launcher = inner, out_dir, False, os.getpid()
+
+    def forward(self, x):
+        import os
+
+        if not self.done and os.getpid() != self.launcher:  # the workers, not the launcher's preflight
+            self.done = True
+            with open(os.path.join(self.out_dir, f"{os.getpid()}.maps"), "w") as f:
+                f.write(open("/proc/self/maps").read())
+        return self.inner(x)
