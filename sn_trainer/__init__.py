@@ -1,9 +1,24 @@
-"""sn_trainer: data-parallel training on the cores of one CPU node, with one shared model."""
-from .engine.cluster import Cluster
+"""sn_trainer: data-parallel training on the cores of one CPU node, with one shared model.
+
+Importing the package imports no torch: ``python -m sn_trainer`` starts its warm workers' fork
+server first, so that it and this process import torch at the same time. The names below load
+on first use.
+"""
 from .errors import (CheckpointError, ConfigError, DataError, InputError, TrainingDiverged, TrainingInterrupted,
                      UserCodeError, WorkerFailed)
-from .trainer import FitResult, Trainer
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "FitResult", "InputError", "Trainer",
            "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "WorkerFailed"]
 __version__ = "0.2.0"
+
+_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,9 @@
 """Command line: ``python -m sn_trainer key=value ...`` (Hydra). The only module importing hydra."""
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .config import RunConfig, help_text
+from .engine import forkserver
 from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 
 
@@ -40,7 +44,31 @@ def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         print(help_text(_groups()))
         return
-    hydra_main()
+    if not any(arg.startswith(("start_method=", "allocator=")) and not arg.endswith(("=forkserver", "=system"))
+               for arg in sys.argv[1:]):
+        # The warm workers' server imports torch now, while this process imports it too; a run
+        # that asks for another start or allocator starts its own when its Trainer is made.
+        forkserver.start()
+    try:
+        hydra_main()
+    except SystemExit as exc:
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Run the exit handlers and flush, then leave without tearing the interpreter down: with
+    torch loaded, Python's own teardown takes seconds and frees nothing an exit does not."""
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is None:
+        sys.exit(code)
+    run_exit_handlers()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _groups() -> dict[str, list[str]]:

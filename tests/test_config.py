@@ -7,8 +7,9 @@ from sn_trainer.config import OptimConfig
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"batchsize": 3}, "unknown setting batchsize; valid ones: accumulate, batch_size"),
-    ({"model": {"nme": "x"}}, "unknown setting model.nme; valid ones: model.hidden, model.name"),
+    ({"batchsize": 3}, "unknown setting batchsize; valid ones: accumulate, allocator, batch_size"),
+    ({"model": {"nme": "x"}}, "unknown setting model.nme; valid ones: model.bias, model.dropout, model.hidden, "
+                              "model.n_embd, model.n_head, model.n_layer, model.name"),
     ({"optim": {"name": "lion"}}, "unknown optimizer 'lion'; choose one of sgd, adamw"),
     ({"optim": {"lr": 0}}, "optim.lr must be > 0, got 0"),
     ({"optim": {"lr": -0.1}}, "optim.lr must be > 0"),

@@ -8,23 +8,17 @@ and exits with it. ``start_method="spawn"`` starts each worker from a fresh inte
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import io
-import multiprocessing.forkserver
-import multiprocessing.util
 import os
 import select
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -32,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, WorkerFailed
+from . import forkserver
 from .signals import StopFlags, stop_on_signals
 
 _PR_SET_PDEATHSIG = 1
@@ -103,10 +98,6 @@ START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
 _PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 
-# The allocator the fork server of this process was started with: it cannot change afterwards.
-_server: dict[str, str] = {}
-
-
 def allocator_library(allocator: str) -> str | None:
     """The shared library to preload for ``allocator`` (None: the C library's own malloc).
 
@@ -126,69 +117,17 @@ def available_allocators() -> list[str]:
     return [name for name, lib in ALLOCATORS.items() if lib is None or ctypes.util.find_library(lib)]
 
 
-@contextmanager
-def _preloading(allocator: str):
-    """Processes started inside run with ``allocator`` (LD_PRELOAD); this one's environment is restored after."""
-    library, before = allocator_library(allocator), os.environ.get("LD_PRELOAD")
-    if library:
-        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = before
-
-
 def starts_warm(start_method: str, allocator: str) -> bool:
     """Whether workers with ``allocator`` can come from this process's fork server."""
-    return (start_method == "forkserver" and "forkserver" in mp.get_all_start_methods()
-            and _server.get("allocator", allocator) == allocator)
+    return (start_method == "forkserver" and forkserver.available()
+            and forkserver.running_allocator() in (None, allocator))
 
 
 def warm_up(start_method: str = "forkserver", allocator: str = "system") -> None:
-    """Start the fork server now, so that it imports torch while this process does other work.
-
-    Its preload: this process's main module (as spawn would import it), the worker's code (and
-    with it torch), torchvision when this process uses it, and ``_forkserver_preload``. It runs
-    with ``allocator`` for good: the first call decides.
-    """
-    if not starts_warm(start_method, allocator):
-        return
-    preload = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
-    if "torchvision" in sys.modules:
-        preload.append("torchvision")
-    mp.set_forkserver_preload(preload)  # takes effect when the server starts: once per process
-    _own_temp_dir()
-    with _preloading(allocator):
-        multiprocessing.forkserver.ensure_running()
-    _server["allocator"] = allocator
-    atexit.unregister(_stop_fork_server)  # once, however many runs
-    atexit.register(_stop_fork_server)
-
-
-def _own_temp_dir() -> None:
-    """Give multiprocessing (the fork server's socket) a temporary directory named after this process.
-
-    Its own would be an anonymous ``pymp-*`` that a SIGKILLed launcher leaves behind; this one
-    the next run recognises as a dead process's and removes (``trainer._rendezvous_dir``).
-    """
-    config = getattr(multiprocessing.current_process(), "_config", None)
-    if config is not None and "tempdir" not in config:
-        config["tempdir"] = tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-mp-")
-        # Removed at exit after multiprocessing's own finalizers, as it removes its own.
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(config["tempdir"], True), exitpriority=-100)
-
-
-def _stop_fork_server() -> None:
-    """At exit, end the fork server and reap it, rather than leave it to notice on its own."""
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        try:
-            stop()
-        except (OSError, ChildProcessError):
-            pass
+    """Start the fork server now (if it is not running), so that it imports torch while this
+    process does other work. It runs with ``allocator`` for good: the first call decides."""
+    if starts_warm(start_method, allocator):
+        forkserver.start(allocator, allocator_library(allocator))
 
 
 def _context(start_method: str, allocator: str):
@@ -294,7 +233,8 @@ def launch(
         for payload in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
-            with _preloading(allocator if ctx.get_start_method() == "spawn" else "system"):
+            spawned = ctx.get_start_method() == "spawn"
+            with forkserver.preloading(allocator_library(allocator) if spawned else None):
                 proc.start()
             theirs.close()
             procs.append(proc)

@@ -106,12 +106,14 @@ class Replica:
         self.buffer_links = private_buffers(self.model) if spec.rank != 0 else []
 
         shard = self.layout.shards[spec.rank]
+        # gloo's own timeout is a backstop behind the launcher's watchdog, which names the worker
+        # that stopped (gloo would name one of those left waiting for it).
+        backstop = 2 * plan.worker_timeout + 30
         self.reducer = make_reducer(placement.comm, spec.rank, placement.workers, shard, self.layout.padded_numel,
-                                    self.dtype, spec.store_path, job.shm, placement.reduce, plan.worker_timeout)
+                                    self.dtype, spec.store_path, job.shm, placement.reduce, backstop)
         if spec.cluster is not None:
             self.reducer = CrossNodeReducer(self.reducer, spec.cluster.store(f"shard{spec.rank}"),
-                                            spec.cluster.node_rank, spec.cluster.nodes, spec.cluster.device(),
-                                            plan.worker_timeout)
+                                            spec.cluster.node_rank, spec.cluster.nodes, spec.cluster.device(), backstop)
         self.cluster = spec.cluster
         self.layout.attach_gradients(self.model, self.reducer.grad_flat)
         self.reducer.watch(self.params, self.layout, plan.accumulate, placement.bucket_kb * 1024)

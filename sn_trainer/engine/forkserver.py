@@ -1,0 +1,90 @@
+"""The fork server warm workers come from: started once per process, torch imported in it once.
+
+Standard library only: the command line starts it before it imports torch itself, so that the
+two imports run at the same time. Each worker is forked from it, new, and never reused.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.util
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from contextlib import contextmanager
+
+# What the server imports before its first fork: this process's main module (as spawn would),
+# the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim
+# imports on an optimizer's first use.
+PRELOAD = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
+
+# The allocator the server of this process was started with: it cannot change afterwards.
+_running: dict[str, str] = {}
+
+
+def available() -> bool:
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def running_allocator() -> str | None:
+    return _running.get("allocator")
+
+
+def start(allocator: str = "system", library: str | None = None) -> None:
+    """Start this process's fork server (once) with ``allocator``, its ``library`` preloaded."""
+    if not available() or _running:
+        return
+    multiprocessing.set_forkserver_preload(PRELOAD + (["torchvision"] if "torchvision" in sys.modules else []))
+    _own_temp_dir()
+    with preloading(library):
+        multiprocessing.forkserver.ensure_running()
+    _running["allocator"] = allocator
+    atexit.register(_stop)
+
+
+@contextmanager
+def preloading(library: str | None):
+    """Processes started inside run with ``library`` preloaded; this process's environment is restored."""
+    before = os.environ.get("LD_PRELOAD")
+    if library:
+        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
+def _own_temp_dir() -> None:
+    """Give multiprocessing (the server's socket) a temporary directory named after this process.
+
+    Its own would be an anonymous ``pymp-*`` that a SIGKILLed launcher leaves behind; this one
+    the next run recognises as a dead process's and removes (``trainer._rendezvous_dir``).
+    """
+    config = getattr(multiprocessing.current_process(), "_config", None)
+    if config is not None and "tempdir" not in config:
+        config["tempdir"] = tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-mp-")
+        # Removed at exit after multiprocessing's own finalizers, as it removes its own.
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(config["tempdir"], True), exitpriority=-100)
+
+
+def _stop() -> None:
+    """At exit, end the server and reap it, rather than leave it to notice on its own.
+
+    It holds nothing worth a graceful exit (its own teardown of torch takes a second or two),
+    and whoever watches this process's children sees none left once this process is gone.
+    """
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (OSError, ChildProcessError):
+        pass
