@@ -26,8 +26,13 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-from torch import nn
+if __name__ == "__main__" and "--job" in sys.argv:
+    import sn_trainer
+
+    sn_trainer.warm_up()  # before torch: the fork server imports it while this process does
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 FAULTS = ("kill_worker", "stop_worker", "term_group", "int_launcher", "truncate_checkpoint", "full_disk",
           "worker_raises")
@@ -213,7 +218,9 @@ def main() -> None:
     parser.add_argument("--trigger", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        sys.exit(job(args.job, args.trigger))
+        from sn_trainer.engine.forkserver import leave
+
+        leave(job(args.job, args.trigger))
     from sn_trainer.report.machine import describe_machine
 
     kinds = args.kinds.split(",")

@@ -8,7 +8,7 @@ from .errors import (CheckpointError, ConfigError, DataError, InputError, Traini
                      UserCodeError, WorkerFailed)
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "FitResult", "InputError", "Trainer",
-           "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "WorkerFailed"]
+           "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "WorkerFailed", "warm_up"]
 __version__ = "0.2.0"
 
 _LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster"}
@@ -22,3 +22,12 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def warm_up() -> None:
+    """Start the warm workers' fork server now: call it first thing in a script (under ``if
+    __name__ == "__main__":``), before importing torch, and the server imports torch while the
+    script does. A Trainer starts it otherwise, when it is made."""
+    from .engine import forkserver
+
+    forkserver.start()

@@ -1,9 +1,6 @@
 """Command line: ``python -m sn_trainer key=value ...`` (Hydra). The only module importing hydra."""
 from __future__ import annotations
 
-import atexit
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -54,21 +51,8 @@ def main() -> None:
     except SystemExit as exc:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-        _leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
-    _leave(0)
-
-
-def _leave(code: int) -> None:
-    """Run the exit handlers and flush, then leave without tearing the interpreter down: with
-    torch loaded, Python's own teardown takes seconds and frees nothing an exit does not."""
-    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_handlers is None:
-        sys.exit(code)
-    run_exit_handlers()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        forkserver.leave(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+    forkserver.leave(0)
 
 
 def _groups() -> dict[str, list[str]]:

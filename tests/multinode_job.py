@@ -4,7 +4,12 @@ import functools
 import logging
 import os
 
-import torch
+import sn_trainer
+
+if __name__ == "__main__":
+    sn_trainer.warm_up()  # before torch, as a script that wants its workers warm early does
+
+import torch  # noqa: E402
 
 from helpers import Bomb, SmallConvNet, tiny_dataset
 from sn_trainer import Cluster, Trainer

@@ -34,8 +34,12 @@ def running_allocator() -> str | None:
 
 
 def start(allocator: str = "system", library: str | None = None) -> None:
-    """Start this process's fork server (once) with ``allocator``, its ``library`` preloaded."""
-    if not available() or _running:
+    """Start this process's fork server (once) with ``allocator``, its ``library`` preloaded.
+
+    Not while a main module is imported into a new process (the server preloads it, as spawn
+    does): a script that calls this unguarded by ``if __name__ == "__main__"`` starts no chain.
+    """
+    if not available() or _running or getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     multiprocessing.set_forkserver_preload(PRELOAD + (["torchvision"] if "torchvision" in sys.modules else []))
     _own_temp_dir()
@@ -88,3 +92,18 @@ def _stop() -> None:
         os.waitpid(pid, 0)
     except (OSError, ChildProcessError):
         pass
+
+
+def leave(code: int) -> None:
+    """End this process now: exit handlers run and streams are flushed, but Python's own teardown,
+    which with torch loaded takes seconds and frees nothing an exit does not, is skipped."""
+    import logging
+
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is None:
+        sys.exit(code)
+    run_exit_handlers()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
