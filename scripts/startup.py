@@ -24,6 +24,9 @@ LATER = (2, 1, 2, 2)
 
 JOB = """
 import json, sys, time, functools
+if __name__ == "__main__" and sys.argv[2] == "early":
+    import sn_trainer
+    sn_trainer.warm_up()  # first thing, before torch: the fork server imports it meanwhile
 import torch
 from torch.utils.data import TensorDataset
 from sn_trainer import Trainer
@@ -58,8 +61,8 @@ FIRST_OPTIMIZER = ("import torch; p = torch.nn.Parameter(torch.zeros(1)); p.grad
                    "torch.optim.SGD([p], lr=0.1).step()")
 
 
-def fits(start_method: str, script: Path) -> dict:
-    out = subprocess.run([sys.executable, str(script), start_method], check=True, capture_output=True, text=True)
+def fits(start_method: str, script: Path, when: str = "late") -> dict:
+    out = subprocess.run([sys.executable, str(script), start_method, when], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -72,7 +75,7 @@ def main() -> None:
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(JOB)
     samples: dict[str, list[float]] = {"bare import torch": [], "import torch + a first optimizer step": [],
-                                       "first fit, warm workers": [],
+                                       "first fit, warm workers": [], "first fit, warm_up() at the script's start": [],
                                        "later fits, warm workers": [], "first fit, spawned": [],
                                        "later fits, spawned": []}
     try:
@@ -83,6 +86,7 @@ def main() -> None:
                 timed = fits(start_method, script)
                 samples[f"first fit, {label}"].append(timed["first"])
                 samples[f"later fits, {label}"].extend(timed["later"])
+            samples["first fit, warm_up() at the script's start"].append(fits("forkserver", script, "early")["first"])
             print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in samples.items()),
                   flush=True)
     finally:
@@ -97,7 +101,9 @@ def main() -> None:
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
              f"`{report['command']}`: {args.rounds} alternating rounds; each fit is a new Trainer and a one-step "
              f"`fit` of LeNet (batch 32): the first with 2 workers, the later ones with {', '.join(map(str, LATER))} "
-             "workers, in the same process. Seconds, medians [min-max].", "",
+             "workers, in the same process; a fit is timed from its Trainer's construction (made just before it, "
+             "or after `sn_trainer.warm_up()` at the script's start, before `import torch`). Seconds, medians "
+             "[min-max].", "",
              "| what | seconds | / bare import |", "|---|---:|---:|"]
     lines += [f"| {r['what']} | {r['median_s']:.2f} [{r['min_s']:.2f}-{r['max_s']:.2f}] | {r['over_bare_import']:.2f}x |"
               for r in rows]

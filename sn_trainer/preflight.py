@@ -31,47 +31,87 @@ class Rehearsal:
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
 
 
-def rehearse(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
-             eval_samples: int, objective: Objective, optimizer, groups: Groups, precision: str,
-             channels_last: bool) -> Rehearsal:
-    """Run one training slice of ``train_samples`` (forward, loss, backward, optimizer step) and one
-    evaluation slice of ``eval_samples`` on a copy of ``model``.
+@dataclass
+class Script:
+    """What a rehearsal runs: the user's code, and one slice of each dataset, already read."""
+
+    model: nn.Module
+    train_batch: Any
+    train_samples: int
+    eval_batch: Any
+    eval_samples: int
+    objective: Objective
+    optimizer: Any
+    groups: Groups
+    precision: str
+    channels_last: bool
+
+
+def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
+           eval_samples: int, objective: Objective, optimizer, groups: Groups, precision: str,
+           channels_last: bool) -> Script:
+    """Read one training slice of ``train_samples`` and one evaluation slice of ``eval_samples``.
+
+    Raises:
+        UserCodeError: a dataset failed to give them.
+    """
+    train = _attempt("reading a training batch", lambda: fetch_batch(train_set, torch.arange(train_samples))) \
+        if train_set is not None else None
+    evaluation = _attempt("reading an evaluation batch", lambda: fetch_batch(eval_set, torch.arange(eval_samples))) \
+        if eval_set is not None else None
+    return Script(model, train, train_samples, evaluation, eval_samples, objective, optimizer, groups, precision,
+                  channels_last)
+
+
+def rehearse(s: Script) -> Rehearsal:
+    """Forward, loss, backward and an optimizer step on the training slice, then evaluation of the
+    other, on a copy of the model.
 
     Raises:
         UserCodeError: any of them raised; the message carries the user's traceback.
     """
-    replica = copy.deepcopy(model)
+    replica = copy.deepcopy(s.model)
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
-    how = Precision(precision)
+    how = Precision(s.precision)
 
     def prepare(batch: Any) -> Any:
-        if not channels_last:
+        if not s.channels_last:
             return batch
         return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
                            if t.dim() == 4 and t.is_floating_point() else t)
 
     optimizer_class = None
-    if train_set is not None:
-        batch = _attempt("reading a training batch", lambda: prepare(fetch_batch(train_set, torch.arange(train_samples))))
+    if s.train_batch is not None:
+        batch = prepare(s.train_batch)
         replica.train()
-        loss_sum, _ = _attempt(f"the training step (on a first slice of {train_samples} samples)",
-                               lambda: objective.train_terms(replica, batch, train_samples, how, dtype))
+        loss_sum, _ = _attempt(f"the training step (on a first slice of {s.train_samples} samples)",
+                               lambda: s.objective.train_terms(replica, batch, s.train_samples, how, dtype))
         _attempt("the backward pass", loss_sum.backward)
-        if optimizer is not None:
-            built = _attempt("building the optimizer", lambda: optimizer(group_params(
-                params, range(len(params)), groups.options, groups.slot_groups)))
+        if s.optimizer is not None:
+            built = _attempt("building the optimizer", lambda: s.optimizer(group_params(
+                params, range(len(params)), s.groups.options, s.groups.slot_groups)))
             optimizer_class = type(built)
             if not _needs_closure(optimizer_class):
                 _attempt("the optimizer's step", built.step)
     eval_keys: tuple[str, ...] = ()
-    if eval_set is not None:
-        batch = _attempt("reading an evaluation batch", lambda: prepare(fetch_batch(eval_set, torch.arange(eval_samples))))
+    if s.eval_batch is not None:
+        batch = prepare(s.eval_batch)
         replica.eval()
-        found = _attempt(f"evaluation (on a first slice of {eval_samples} samples)",
-                         lambda: objective.eval_terms(replica, batch, eval_samples, how, dtype))
+        found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
+                         lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
     return Rehearsal(optimizer_class, eval_keys)
+
+
+def rehearse_in_worker(s: Script, send) -> dict[str, Any]:
+    """``rehearse`` as a worker's target: the launcher then never imports what the user's code
+    and torch.optim need (torch.optim's first optimizer imports torch._dynamo, which the warm
+    workers' server has imported already)."""
+    try:
+        return {"rehearsal": rehearse(s)}
+    except UserCodeError as exc:
+        return {"error": str(exc)}
 
 
 def _needs_closure(optimizer_class: type) -> bool:

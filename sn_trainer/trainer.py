@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import checkpoint
+from . import checkpoint, preflight, tune
 from .checkpoint import CheckpointDir
 from .config import TrainerConfig
 from .data.batching import check_sample, share_dataset
@@ -44,10 +44,8 @@ from .engine.shared import SharedParams
 from .engine.signals import StopFlags, graceful_stop
 from .engine.topology import auto_workers, plan_pinning, read_topology
 from .engine.worker import PHASES, Job, WorkerSpec, run_worker
-from .errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerFailed
+from .errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, UserCodeError, WorkerFailed
 from .optim import Groups, resolve_groups, shard_kind
-from . import tune
-from .preflight import rehearse
 from .report.machine import bf16_supported
 from .report.memory import PeakMemory
 
@@ -319,9 +317,10 @@ class Trainer:
                           (eval_set, "eval_set")):
             _check_sendable(obj, what)
         channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
-        rehearsal = rehearse(model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
-                             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective,
-                             optimizer, groups, placement.precision, channels_last)
+        rehearsal = self._rehearse(preflight.script(
+            model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
+            min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, optimizer, groups,
+            placement.precision, channels_last))
         objective.eval_keys = rehearsal.eval_keys
         kind = shard_kind(rehearsal.optimizer_class, cfg.shards)
         self._check_combinations(kind, len(train_set))
@@ -488,8 +487,9 @@ class Trainer:
                           (dataset, "dataset")):
             _check_sendable(obj, what)
         channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
-        rehearsal = rehearse(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size), objective, None,
-                             Groups(None, ()), placement.precision, channels_last)
+        rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size),
+                                                    objective, None, Groups(None, ()), placement.precision,
+                                                    channels_last))
         objective.eval_keys = rehearsal.eval_keys
         layout = FlatLayout(model, placement.workers, channels_last)
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=1, seed=cfg.seed, drop_last=True,
@@ -498,6 +498,18 @@ class Trainer:
         results, _ = self._run(model, layout, None, dataset, objective, None, Groups(None, (0,) * len(layout.slots)),
                                None, plan, None, None)
         return {k: v for k, v in results[0].items() if k != "comm"}
+
+    def _rehearse(self, script: "preflight.Script") -> "preflight.Rehearsal":
+        """The user's code on one micro-batch, before any worker starts: in a warm worker (so
+        that this process never imports what torch.optim needs), else here."""
+        placement = self.placement
+        if placement.start_method != "forkserver":
+            return preflight.rehearse(script)
+        (outcome,) = launch(preflight.rehearse_in_worker, [script], start_method=placement.start_method,
+                            allocator=placement.allocator)
+        if "error" in outcome:
+            raise UserCodeError(outcome["error"])
+        return outcome["rehearsal"]
 
     # --- one launch of the workers -------------------------------------------------------------
 

@@ -11,6 +11,11 @@ writes a sample.
 """
 from __future__ import annotations
 
+import sn_trainer
+
+if __name__ == "__main__":
+    sn_trainer.warm_up()  # first: the warm workers' server imports torch while this script does
+
 import argparse
 import functools
 import inspect

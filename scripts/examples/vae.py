@@ -10,6 +10,11 @@ from Debian's dataset-fashion-mnist (or ``--root``), as images in [0, 1].
 """
 from __future__ import annotations
 
+import sn_trainer
+
+if __name__ == "__main__":
+    sn_trainer.warm_up()  # first: the warm workers' server imports torch while this script does
+
 import argparse
 import functools
 

@@ -9,6 +9,11 @@ step function. Every window of ``--bptt`` words is a sample; the last tenth is h
 """
 from __future__ import annotations
 
+import sn_trainer
+
+if __name__ == "__main__":
+    sn_trainer.warm_up()  # first: the warm workers' server imports torch while this script does
+
 import argparse
 import functools
 import math
