@@ -24,7 +24,8 @@ def build_for(cfg: ModelConfig, data) -> nn.Module:
     if cfg.name == "gpt" or text:
         if not (cfg.name == "gpt" and text):
             raise ConfigError("model=gpt trains on dataset=text, and dataset=text trains model=gpt; "
-                              f"got model={cfg.name} with a{' text' if text else 'n image'} dataset")
+                              f"got model={cfg.name} with a{' text' if text else 'n image'} dataset; for a language model "
+                              "use +experiment=gpt_text dataset.path=<text file or folder>")
         return GPT(data.vocab_size, data.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
     return build_model(cfg.name, data.sample_shape, data.num_classes,
                        **({"hidden": tuple(cfg.hidden)} if cfg.hidden else {}))
