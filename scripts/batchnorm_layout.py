@@ -10,17 +10,16 @@ batch norm). This is what ``channels_last=auto`` decides on for nets with batch 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 
 def relative_error(model_fn, shape, batch: int, channels_last: bool, seed: int = 0) -> float:
@@ -157,11 +156,7 @@ def main() -> None:
               "| net | batch | contiguous ms | channels_last ms | speedup |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['batch']} | {r['contiguous_ms']:.1f} | {r['channels_last_ms']:.1f} "
               f"| {r['speedup']:.2f}x |" for r in speed]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
 from sn_trainer.report.machine import bf16_supported, describe_machine
+from sn_trainer.report.results import write_result
 from sn_trainer.report.memory import pss_bytes
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
@@ -381,7 +382,7 @@ def variants_of(case: Case, runtimes: bool = False) -> tuple[str, ...]:
 
 def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
     """The fastest of a variant's launches (plain, plain_cpu; sn, sn_tcmalloc...)."""
-    name = max((v for v in med if v == prefix or v.startswith(prefix + "_")) - {"sn_1worker", "sn_sync"},
+    name = max({v for v in med if v == prefix or v.startswith(prefix + "_")} - {"sn_1worker", "sn_sync"},
                key=med.get)
     return name, med[name]
 
@@ -393,6 +394,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
     parser.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
+    parser.add_argument("--cases", help="only these rows, by label, comma-separated (e.g. 'lenet b128 cl,gpt b32')")
     parser.add_argument("--out", default="results/bench")
     parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "WHAT"), help=argparse.SUPPRESS)
@@ -418,6 +420,12 @@ def main() -> None:
         print("this CPU has no native bfloat16: the bf16 rows are left out")
     cases += [Case("cifar10_quick_bn", 100), Case("cifar10_quick_bn", 200), Case("resnet18", 32),
               Case("gpt", 32), Case("gpt", 64)]
+    if args.cases:
+        wanted = [label.strip() for label in args.cases.split(",")]
+        unknown = set(wanted) - {c.label for c in cases}
+        if unknown:
+            parser.error(f"unknown case {sorted(unknown)}; the cases: {', '.join(c.label for c in cases)}")
+        cases = [c for c in cases if c.label in wanted]
     # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).
     runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32"}
 
@@ -439,13 +447,13 @@ def main() -> None:
         med = {v: statistics.median(samples[(case.label, v)])
                for v in variants_of(case, case.label in runtime_rows)}
         spread = {v: [min(samples[(case.label, v)]), max(samples[(case.label, v)])] for v in med}
-        fp32_plain = statistics.median(samples[(Case(case.model, case.batch).label, "plain")])
+        fp32_plain = samples.get((Case(case.model, case.batch).label, "plain"))  # absent when --cases left it out
         gflops = flops_per_sample(case) * med["sn"] / 1e9
         rows.append({"case": case.label, **asdict(case), "per_worker_batch": case.batch / workers,
                      "median": med, "min_max": spread, "per_sample": case.per_sample,
                      "sn_over_plain": med["sn"] / med["plain"], "sn_over_ddp": med["sn"] / med["ddp"],
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
-                     "sn_over_fp32_plain": med["sn"] / fp32_plain, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
+                     "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
                      "runtimes": _runtimes(med) if case.label in runtime_rows else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
@@ -453,12 +461,9 @@ def main() -> None:
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
               "data": "synthetic, in memory, made once and shared with every process", "matmul_peak_gflops": peak,
               "memory_resnet18_pss_bytes": memory, "rows": rows,
-              "command": "python scripts/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+              "command": "python scripts/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")
+               + (f" --cases '{args.cases}'" if args.cases else "")}
+    write_result(args.out, report, markdown(report))
 
 
 def _runtimes(med: dict[str, float]) -> dict:
@@ -488,7 +493,7 @@ def markdown(report: dict) -> str:
     lines.append("\nsn_trainer as it ships (channels_last=auto: on for conv nets without batch norm) against plain "
                  "PyTorch as usually written (fp32, contiguous), same run:")
     for r in report["rows"]:
-        if r["channels_last"]:
+        if r["channels_last"] and r["sn_over_fp32_plain"] is not None:
             lines.append(f"- {r['case']}: sn_trainer / fp32 contiguous plain PyTorch = {r['sn_over_fp32_plain']:.2f}")
     lines.append("\nBatch norm over the global batch (`sync_batchnorm=true`) against per-worker statistics, same "
                  "run, samples/s [min-max]:\n\n| case | sn_trainer | sn_trainer, sync_batchnorm | ratio |\n"

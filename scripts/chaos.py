@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import os
 import random
 import signal
@@ -222,6 +221,7 @@ def main() -> None:
 
         leave(job(args.job, args.trigger))
     from sn_trainer.report.machine import describe_machine
+    from sn_trainer.report.results import write_result
 
     kinds = args.kinds.split(",")
     if "full_disk" in kinds and os.geteuid() != 0:
@@ -246,20 +246,18 @@ def main() -> None:
             print(f"{index + 1:3d} {kind:20s} at step {row['at_step']:2d}: exits {row['exit_codes']}, "
                   f"finished {row['finished']}, equal {row['equal']}, left {row['left']}", flush=True)
     table = summarise(rows)
-    print(table)
-    if args.out:
+    if not args.out:
+        print(table)
+    else:
         machine = describe_machine()
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"machine": machine, "seed": args.seed, "rows": rows,
-                                                        "command": f"python scripts/chaos.py --faults {args.faults}"},
-                                                       indent=2) + "\n")
-        out.with_suffix(".md").write_text(
+        report = {"machine": machine, "seed": args.seed, "rows": rows,
+                  "command": f"python scripts/chaos.py --faults {args.faults}"}
+        write_result(args.out, report, (
             f"# Chaos: {len(rows)} jobs, one random fault each\n\nMachine: {machine['cpu_model']}, "
             f"{machine['physical_cores']} physical cores, torch {machine['torch']}. `python scripts/chaos.py "
             f"--faults {args.faults}` (seed {args.seed}): LeNet, 2 workers, {STEPS} steps, a checkpoint every "
             f"{EVERY}, max_restarts=2, worker_timeout={TIMEOUT_S}; each job resumed with resume=latest until it "
-            "finished, then compared with an uninterrupted run (torch.equal on every tensor).\n\n" + table + "\n")
+            "finished, then compared with an uninterrupted run (torch.equal on every tensor).\n\n" + table))
 
 
 def summarise(rows: list[dict]) -> str:

@@ -8,16 +8,15 @@ median step times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 CASES = [("lenet", (1, 28, 28), 32), ("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 50),
          ("cifar10_quick", (3, 32, 32), 100)]
@@ -69,11 +68,7 @@ def main() -> None:
              "| model | batch | contiguous ms | channels_last ms | speedup |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['batch']} | {r['contiguous_ms']:.1f} | {r['channels_last_ms']:.1f} "
               f"| {r['speedup']:.2f}x |" for r in rows]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":

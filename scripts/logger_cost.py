@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 JOB = ["epochs=1", "workers=2", "log_every=10"]
 
@@ -55,12 +56,7 @@ def main() -> None:
                      f"[{min(walls):.1f}-{max(walls):.1f}] |")
     lines.append(f"\ntensorboard / none: samples/s {med['tensorboard'][0] / med['none'][0]:.3f}, wall time "
                  f"{med['tensorboard'][1] / med['none'][1]:.3f}.")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rounds": args.rounds, "samples": samples},
-                                                   indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, {"machine": machine, "rounds": args.rounds, "samples": samples}, "\n".join(lines))
 
 
 if __name__ == "__main__":

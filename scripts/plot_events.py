@@ -16,7 +16,7 @@ PANELS = [("loss", ["train/loss", "eval/loss"]), ("learning rate", ["train/lr"])
           ("speed", ["speed/tokens_per_sec", "speed/samples_per_sec"]),
           ("milliseconds per step, by phase", ["phase_ms/data", "phase_ms/forward", "phase_ms/backward",
                                                "phase_ms/reduce", "phase_ms/update", "phase_ms/wait"]),
-          ("CPU use per core (%)", ["cpu_percent/core0", "cpu_percent/core1"])]
+          ("CPU use per core (%)", ["cpu_percent/"])]  # a trailing "/": every tag under it
 
 
 def main(run_dir: str, out: str) -> None:
@@ -25,10 +25,10 @@ def main(run_dir: str, out: str) -> None:
     tags = set(events.Tags()["scalars"])
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 3 * len(PANELS)), dpi=100)
     for ax, (title, wanted) in zip(axes, PANELS):
-        for tag in wanted:
-            if tag in tags:
-                points = events.Scalars(tag)
-                ax.plot([p.step for p in points], [p.value for p in points], label=tag)
+        for tag in [t for w in wanted for t in sorted(tags) if t == w or (w.endswith("/") and t.startswith(w))]:
+            points = events.Scalars(tag)
+            ax.plot([p.step for p in points], [p.value for p in points], label=tag,
+                    marker="o" if len(points) == 1 else None)  # a single evaluation shows as a dot
         ax.set_title(title)
         ax.set_xlabel("step")
         if title != "learning rate":
@@ -40,4 +40,6 @@ def main(run_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python scripts/plot_events.py <run dir> <out.png>")
     main(*sys.argv[1:3])

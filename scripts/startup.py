@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 # Later fits: a new Trainer each, worker counts in this order.
 LATER = (2, 1, 2, 2)
@@ -107,10 +108,7 @@ def main() -> None:
              "| what | seconds | / bare import |", "|---|---:|---:|"]
     lines += [f"| {r['what']} | {r['median_s']:.2f} [{r['min_s']:.2f}-{r['max_s']:.2f}] | {r['over_bare_import']:.2f}x |"
               for r in rows]
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
-from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
@@ -19,6 +17,7 @@ from torch.utils.data import TensorDataset
 from sn_trainer import Trainer
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 
 def measure(workers: int, batch: int, steps: int, data: TensorDataset) -> float:
@@ -62,9 +61,6 @@ def main() -> None:
               "optimizer": "SGD momentum 0.9", "threads_per_worker": 1, "steps_per_run": args.steps,
               "settings": "Trainer defaults: comm=auto, channels_last=auto (on for LeNet), fp32",
               "rounds": args.rounds, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     machine = report["machine"]
     lines = [f"# Engine throughput: LeNet, synthetic 28x28, {args.steps} steps per run, {args.rounds} rounds",
              "", f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, "
@@ -73,8 +69,7 @@ def main() -> None:
              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch_size']} | {r['workers']} | {r['per_worker_batch']:g} | {r['samples_per_sec_median']:.0f} "
               f"| {r['min']:.0f} | {r['max']:.0f} | {r['speedup_vs_first']:.2f}x |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
@@ -26,6 +24,7 @@ from sn_trainer.engine.launch import available_allocators
 from sn_trainer.engine.topology import read_topology
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import describe_machine
+from sn_trainer.report.results import write_result
 
 CASES = [("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 200)]
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
@@ -87,11 +86,7 @@ def main() -> None:
         print(f"{name} b{batch}: sweep best {best} {medians[best]:.0f}/s; tuned {choice} {medians[choice]:.0f}/s "
               f"({row['tuned_over_best']:.2f}x) in {tuned.seconds:.0f} s against the sweep's {sweep_seconds:.0f} s "
               f"({row['tuner_over_sweep_time']:.2f})", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+    write_result(args.out, report, markdown(report))
 
 
 def markdown(report: dict) -> str:
