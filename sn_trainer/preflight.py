@@ -2,8 +2,10 @@
 
 Shape and type errors in a model, a step function, a loss, a metric or an optimizer then
 surface within seconds, as one error carrying the user's traceback, instead of inside a worker
-after its peers have started (or after an hour of training, for evaluation). It runs in this
-process, on a copy of the model, so nothing of the model, its statistics or its optimizer moves.
+after its peers have started (or after an hour of training, for evaluation). It runs on a copy
+of the model, so nothing of the model, its statistics or its optimizer moves; the Trainer runs
+it in a warm worker process (``rehearse_in_worker``), so the launcher itself never imports what
+the user's code needs.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Small models, datasets and a reference loop shared by the tests (importable by spawned workers)."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -149,6 +150,22 @@ class Bomb(nn.Module):
             if self.action == "raise":
                 raise RuntimeError("boom: injected failure")
             os.kill(os.getpid(), 9)
+        return self.inner(x)
+
+
+class ReportsPlacement(nn.Module):
+    """Wraps a model; every forward appends this process's pid, CPUs and torch thread counts to a
+    JSON-lines file, so a test sees where each worker really ran."""
+
+    def __init__(self, inner: nn.Module, path: str):
+        super().__init__()
+        self.inner, self.path = inner, path
+
+    def forward(self, x):
+        line = json.dumps({"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+                           "threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads()})
+        with open(self.path, "a") as log:  # one short append per call: whole lines from every process
+            log.write(line + "\n")
         return self.inner(x)
 
 

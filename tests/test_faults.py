@@ -219,27 +219,43 @@ def final_model(run_dir):
     return checkpoint.load(CheckpointDir(run_dir / "checkpoints").latest())["model"]
 
 
-def test_sigterm_checkpoints_exits_143_and_resumes_bit_exactly(tmp_path):
-    marker = uuid.uuid4().hex
-    whole = start_cli(LONG_RUN, tmp_path / "whole", marker)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final parameters of LONG_RUN run without interruption, once for the signal tests."""
+    run, marker = tmp_path_factory.mktemp("whole") / "run", uuid.uuid4().hex
+    run.parent.mkdir(exist_ok=True)
+    whole = start_cli(LONG_RUN, run, marker)
     assert whole.wait(timeout=200) == 0, whole.communicate()
+    return final_model(run)
+
+
+@pytest.mark.parametrize("to", ["launcher", "group"])
+def test_sigterm_checkpoints_exits_143_and_resumes_bit_exactly(tmp_path, uninterrupted, to):
+    """SIGTERM to the launcher, or to every process of the group (what scancel, systemctl stop and
+    kill -TERM -<pgid> do)."""
+    marker = uuid.uuid4().hex
     run = tmp_path / "stopped"
-    proc = start_cli(LONG_RUN, run, marker)
+    proc = start_cli([*LONG_RUN, "max_restarts=2"], run, marker, new_session=to == "group")
     wait_for_step(run, 20, proc)
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
     assert time.monotonic() - sent < 10
     assert "interrupted: stopped by SIGTERM after step" in stderr and "resume with resume=" in stderr
+    assert "restart" not in stderr  # a run asked to stop is never restarted
     stopped_at = checkpoint.load(CheckpointDir(run / "checkpoints").latest())["step"]
     assert 20 <= stopped_at < 200
     assert processes_with_marker(marker) == []
 
     resumed = start_cli([*LONG_RUN, f"resume={run / 'checkpoints'}"], tmp_path / "resumed", marker)
     assert resumed.wait(timeout=200) == 0, resumed.communicate()
-    mine, theirs = final_model(tmp_path / "resumed"), final_model(tmp_path / "whole")
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    mine = final_model(tmp_path / "resumed")
+    assert all(torch.equal(mine[k], uninterrupted[k]) for k in uninterrupted)
+    assert processes_with_marker(marker) == []
 
 
 def test_a_second_ctrl_c_stops_at_once_without_orphans(tmp_path):

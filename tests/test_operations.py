@@ -1,6 +1,7 @@
 """Run it as operators run jobs: scheduler signals, hung workers, resumes that keep their schedule."""
 import copy
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -14,37 +15,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import SmallConvNet, assert_same_parameters, live_children, plain_fit, processes_with_marker, \
-    tiny_dataset
+from helpers import ReportsPlacement, SmallConvNet, assert_same_parameters, live_children, plain_fit, \
+    processes_with_marker, tiny_dataset
 from sn_trainer import CheckpointError, Trainer, WorkerFailed
-from sn_trainer import checkpoint
 from sn_trainer.checkpoint import CheckpointDir
-from test_faults import LONG_RUN, final_model, start_cli, wait_for_step
+from test_faults import LONG_RUN, start_cli, wait_for_step
 
 pytestmark = pytest.mark.timeout(300)
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
 
 
-def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes_bit_exactly(tmp_path):
-    """What scancel, systemctl stop and kill -TERM -<pgid> do: every process gets the signal."""
-    marker = uuid.uuid4().hex
-    whole = start_cli(LONG_RUN, tmp_path / "whole", marker)
-    assert whole.wait(timeout=240) == 0, whole.communicate()
-    run = tmp_path / "stopped"
-    proc = start_cli([*LONG_RUN, "max_restarts=2"], run, marker, new_session=True)
-    wait_for_step(run, 20, proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
-    assert "interrupted: stopped by SIGTERM after step" in stderr and "resume with resume=" in stderr
-    assert "restart" not in stderr  # a run asked to stop is never restarted
-    stopped_at = checkpoint.load(CheckpointDir(run / "checkpoints").latest())["step"]
-    assert 20 <= stopped_at < 200
-    assert processes_with_marker(marker) == []
-    resumed = start_cli([*LONG_RUN, f"resume={run / 'checkpoints'}"], tmp_path / "resumed", marker)
-    assert resumed.wait(timeout=240) == 0, resumed.communicate()
-    mine, theirs = final_model(tmp_path / "resumed"), final_model(tmp_path / "whole")
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_method, no_leaks):
+    """The second fit's forkserver workers come from a server that is already warm."""
+    earlier = set()
+    for fit_index in range(2):
+        log = tmp_path / f"fit-{fit_index}.jsonl"
+        torch.manual_seed(0)
+        Trainer(workers=2, threads=1, batch_size=8, max_steps=4, start_method=start_method).fit(
+            ReportsPlacement(SmallConvNet(), str(log)), tiny_dataset(), optimizer=SGD)
+        calls = {}
+        for line in log.read_text().splitlines():
+            call = json.loads(line)
+            calls.setdefault(call["pid"], []).append(call)
+        workers = {pid: seen for pid, seen in calls.items() if len(seen) >= 4}  # the preflight runs one batch
+        assert len(workers) == 2, calls
+        cpus = [set(seen[0]["cpus"]) for seen in workers.values()]
+        assert all(len(c) == 1 for c in cpus) and not cpus[0] & cpus[1], cpus
+        assert all(c["threads"] == 1 and c["interop"] == 1 for seen in workers.values() for c in seen), workers
+        assert not earlier & workers.keys()  # every fit has processes of its own
+        earlier |= workers.keys()
 
 
 def test_sigint_to_one_worker_stops_the_run_at_a_step_boundary(tmp_path):
