@@ -47,8 +47,8 @@ from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
 from sn_trainer.report.machine import bf16_supported, describe_machine
-from sn_trainer.report.results import write_result
 from sn_trainer.report.memory import pss_bytes
+from sn_trainer.report.results import write_result
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
           "resnet18": (3, 64, 64)}
@@ -453,7 +453,8 @@ def main() -> None:
                      "median": med, "min_max": spread, "per_sample": case.per_sample,
                      "sn_over_plain": med["sn"] / med["plain"], "sn_over_ddp": med["sn"] / med["ddp"],
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
-                     "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None, "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
+                     "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None,
+                     "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
                      "runtimes": _runtimes(med) if case.label in runtime_rows else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})

@@ -32,6 +32,15 @@ def test_batch_norm_and_gpt_cases_run(case, variant, no_leaks):
     assert bench.measure(variant, case, 2, bench.Timing(warmup=1, steps=2), read_topology()) > 0
 
 
+def test_the_best_launch_table_picks_each_variants_fastest_launch():
+    med = {"plain": 100.0, "plain_cpu": 120.0, "ddp": 90.0, "ddp_cpu": 95.0, "ideal": 130.0, "ideal_tcmalloc": 140.0,
+           "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0}
+    runtimes = bench._runtimes(med)
+    assert runtimes["best_plain"] == ("plain_cpu", 120.0) and runtimes["best_ideal"] == ("ideal_tcmalloc", 140.0)
+    assert runtimes["best_sn"] == ("sn_jemalloc", 132.0)  # one worker and sync_batchnorm are other rows' figures
+    assert runtimes["sn_over_best_plain"] == pytest.approx(1.1)
+
+
 def test_memory_counts_a_whole_process_tree():
     import psutil
 

@@ -223,7 +223,6 @@ def final_model(run_dir):
 def uninterrupted(tmp_path_factory):
     """The final parameters of LONG_RUN run without interruption, once for the signal tests."""
     run, marker = tmp_path_factory.mktemp("whole") / "run", uuid.uuid4().hex
-    run.parent.mkdir(exist_ok=True)
     whole = start_cli(LONG_RUN, run, marker)
     assert whole.wait(timeout=200) == 0, whole.communicate()
     return final_model(run)
