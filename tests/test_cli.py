@@ -28,6 +28,8 @@ def test_run_writes_summary_metrics_and_log(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["per_worker_batch"] == 16 and summary["steps"] == 6
     assert summary["channels_last"] is True  # auto, and the default model (lenet) is a conv net
+    assert summary["comm"] in ("shm", "gloo") and summary["plan"]["comm"] == summary["comm"]  # what auto chose
+    assert summary["precision"] == summary["plan"]["precision"] == "fp32"
     assert 0 <= summary["test_accuracy"] <= 1 and summary["samples_per_sec"] > 0
     assert summary["peak_memory_bytes"] > 0
     assert set(summary["phase_seconds"]) == {"data", "forward", "backward", "reduce", "update", "wait"}

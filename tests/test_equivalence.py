@@ -91,6 +91,19 @@ def test_bf16_trains_close_to_fp32():
         assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def test_what_ran_is_reported_with_its_fallback(monkeypatch):
+    """bf16 asked for on a CPU without it: fp32 runs, and FitResult (hence summary.json) says so."""
+    import sn_trainer.trainer
+
+    monkeypatch.setattr(sn_trainer.trainer, "bf16_supported", lambda: False)
+    torch.manual_seed(0)
+    result = Trainer(workers=2, batch_size=8, max_steps=2, precision="bf16").fit(
+        SmallConvNet(), tiny_dataset(), optimizer=OPTIMIZERS["sgd"])
+    assert result.precision == "fp32" and result.plan["precision"] == "fp32"
+    assert any(note.startswith("precision=bf16 asked for, fp32 ran") for note in result.plan["notes"])
+    assert result.comm in ("shm", "gloo") and result.plan["comm"] == result.comm  # what comm=auto chose
+
+
 @pytest.mark.parametrize("optimizer", [
     functools.partial(torch.optim.Adam, lr=0.01),
     functools.partial(torch.optim.RMSprop, lr=0.01),
