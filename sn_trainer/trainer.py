@@ -110,7 +110,7 @@ def channels_last_helps(model: nn.Module) -> bool:
 
     oneDNN runs channels-last convolutions and pooling fastest on CPUs (results/.../layout.md);
     with batch norm the measured gain does not pay for its less accurate reductions there
-    (results/.../batchnorm.md).
+    (results/.../batchnorm_layout.md).
     """
     has_conv = any(p.dim() == 4 for p in model.parameters() if p.requires_grad)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -316,7 +316,7 @@ class Trainer:
                           (groups.options, "the parameter groups' options"), (train_set, "train_set"),
                           (eval_set, "eval_set")):
             _check_sendable(obj, what)
-        channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
+        channels_last = self._channels_last(model)
         rehearsal = self._rehearse(preflight.script(
             model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, optimizer, groups,
@@ -486,7 +486,7 @@ class Trainer:
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
                           (dataset, "dataset")):
             _check_sendable(obj, what)
-        channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else channels_last_helps(model)
+        channels_last = self._channels_last(model)
         rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size),
                                                     objective, None, Groups(None, ()), placement.precision,
                                                     channels_last))
@@ -498,6 +498,11 @@ class Trainer:
         results, _ = self._run(model, layout, None, dataset, objective, None, Groups(None, (0,) * len(layout.slots)),
                                None, plan, None, None)
         return {k: v for k, v in results[0].items() if k != "comm"}
+
+    def _channels_last(self, model: nn.Module) -> bool:
+        """The layout this model runs in: as set, or what ``channels_last=auto`` decides for it."""
+        setting = self.config.channels_last
+        return setting if isinstance(setting, bool) else channels_last_helps(model)
 
     def _rehearse(self, script: "preflight.Script") -> "preflight.Rehearsal":
         """The user's code on one micro-batch, before any worker starts: in a warm worker (so

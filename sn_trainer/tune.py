@@ -9,9 +9,9 @@ workers of T threads each, on a global batch B:
 
 ``alpha_T + beta_T x b`` is one worker's compute on ``b`` samples with T threads (a few timings
 of one worker; ``alpha`` is what does not shrink with the batch: the knee of the paper's figures
-comes from it), ``sync(W)`` the reduction and barriers (timed with 2 workers, and 4 where there are cores for it; each doubling of W
-adds the same time: the slowest of more workers is waited for, and barriers poll more peers),
-and ``slow`` what sharing costs: cores shared when W x T exceeds them, and memory bandwidth when
+comes from it), ``sync(W)`` the reduction and barriers (timed with 2 workers, and 4 where there
+are cores for it; each doubling of W adds the same time: the slowest of more workers is waited
+for, and barriers poll more peers), and ``slow`` what sharing costs: cores shared when W x T exceeds them, and memory bandwidth when
 the workers together stream more than the machine gives (for predictions of other machines).
 """
 from __future__ import annotations

@@ -323,7 +323,8 @@ class CpuClock:
         if not hasattr(self, "_own"):
             return {}
         own, machine = self._read()
-        busy = {k: machine[k] - self._machine[k] for k in machine}
+        # Linux counts guest time inside user and nice as well: summed again, it would count twice.
+        busy = {k: machine[k] - self._machine[k] for k in machine if k not in ("guest", "guest_nice")}
         return {"own": own - self._own, "machine_busy": sum(v for k, v in busy.items() if k not in ("idle", "iowait")),
                 "machine_total": sum(busy.values())}
 
