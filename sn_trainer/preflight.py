@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .data.batching import fetch_batch, map_tensors
+from .data.batching import fetch_batch, in_layout
 from .engine.layout import trainable_parameters
 from .engine.objective import Objective, Precision
 from .engine.state import group_params
@@ -77,15 +77,9 @@ def rehearse(s: Script) -> Rehearsal:
     dtype = params[0].dtype if params else torch.float32
     how = Precision(s.precision)
 
-    def prepare(batch: Any) -> Any:
-        if not s.channels_last:
-            return batch
-        return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
-                           if t.dim() == 4 and t.is_floating_point() else t)
-
     optimizer_class = None
     if s.train_batch is not None:
-        batch = prepare(s.train_batch)
+        batch = in_layout(s.train_batch, s.channels_last)
         replica.train()
         loss_sum, _ = _attempt(f"the training step (on a first slice of {s.train_samples} samples)",
                                lambda: s.objective.train_terms(replica, batch, s.train_samples, how, dtype))
@@ -98,7 +92,7 @@ def rehearse(s: Script) -> Rehearsal:
                 _attempt("the optimizer's step", built.step)
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
-        batch = prepare(s.eval_batch)
+        batch = in_layout(s.eval_batch, s.channels_last)
         replica.eval()
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))

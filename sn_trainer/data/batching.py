@@ -36,6 +36,14 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
+def in_layout(batch: Any, channels_last: bool) -> Any:
+    """``batch`` with its 4-d floating-point tensors (images) in the model's memory layout."""
+    if not channels_last:
+        return batch
+    return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
+                       if t.dim() == 4 and t.is_floating_point() else t)
+
+
 def check_sample(dataset: Dataset, name: str, pairs: bool) -> None:
     """Refuse, up front, a dataset that is empty, unsized, or (for the default loss) not pairs.
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..data.batching import fetch_batch, map_tensors
+from ..data.batching import fetch_batch, in_layout
 from ..data.sampler import GlobalBatches, slice_bounds
 from .batchnorm import synchronise
 from .board import Board, StepTotals
@@ -207,13 +207,7 @@ class Replica:
         start, stop = slice_bounds(len(indices), self.global_workers, self.global_rank)
         if start == stop:
             return None, 0
-        return self.prepare(fetch_batch(self.job.train_set, indices[start:stop])), stop - start
-
-    def prepare(self, batch: Any) -> Any:
-        if not self.plan.channels_last:
-            return batch
-        return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
-                           if t.dim() == 4 and t.is_floating_point() else t)
+        return in_layout(fetch_batch(self.job.train_set, indices[start:stop]), self.plan.channels_last), stop - start
 
     def step_totals(self, step: int) -> StepTotals:
         totals = self.job.board.totals(step)
@@ -274,7 +268,7 @@ class Replica:
             for lo in range(start, stop, self.plan.eval_batch_size):
                 beat("eval")
                 indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
-                batch = self.prepare(fetch_batch(dataset, indices))
+                batch = in_layout(fetch_batch(dataset, indices), self.plan.channels_last)
                 found = self.objective.eval_terms(self.model, batch, len(indices), self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
