@@ -22,6 +22,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import psutil
 import torch
 import torch.multiprocessing as mp
 
@@ -98,6 +99,7 @@ START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
 _PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 
+
 def allocator_library(allocator: str) -> str | None:
     """The shared library to preload for ``allocator`` (None: the C library's own malloc).
 
@@ -151,7 +153,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the launcher's teardown and the watch below still apply
         pass
-    if os.getppid() != parent or not _alive(launcher_pid):  # gone before prctl took effect
+    if os.getppid() != parent or not psutil.pid_exists(launcher_pid):  # gone before prctl took effect
         os._exit(1)
     if parent != launcher_pid:
         threading.Thread(target=_exit_with, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
@@ -161,22 +163,12 @@ def _exit_with(pid: int) -> None:
     """Block until process ``pid`` ends, then end this process at once."""
     try:
         handle = os.pidfd_open(pid)  # readable when the process has ended (Linux 5.3+)
-        if _alive(pid):
+        if psutil.pid_exists(pid):
             select.select([handle], [], [])
     except (AttributeError, OSError):
-        while _alive(pid):
+        while psutil.pid_exists(pid):
             time.sleep(0.5)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _bootstrap(conn: Connection, launcher_pid: int) -> None:
