@@ -68,9 +68,7 @@ class Objective:
                     dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         """``(loss_sum, count)`` of one slice of ``samples`` samples, ready for backward."""
         if self.step_fn is not None:
-            with precision.autocast():
-                value = self.step_fn(model, batch)
-            return terms(value, samples, "step_fn")
+            return self._step_terms(model, batch, samples, precision)
         outputs, targets = self._forward(model, batch, precision, dtype)
         return self._loss_terms(outputs, targets, samples)
 
@@ -80,9 +78,7 @@ class Objective:
         """``{name: (sum, count)}`` of one slice: the loss, accuracy where it applies, user metrics."""
         out: dict[str, tuple[float, float]] = {}
         if self.step_fn is not None:
-            with precision.autocast():
-                value = self.step_fn(model, batch)
-            loss_sum, count = terms(value, samples, "step_fn")
+            loss_sum, count = self._step_terms(model, batch, samples, precision)
         else:
             outputs, targets = self._forward(model, batch, precision, dtype)
             loss_sum, count = self._loss_terms(outputs, targets, samples)
@@ -101,6 +97,11 @@ class Objective:
                 value_sum, value_count = terms(value, samples, f"metric_fn's {name!r}")
                 out[str(name)] = (float(value_sum), float(value_count))
         return out
+
+    def _step_terms(self, model, batch, samples, precision):
+        with precision.autocast():
+            value = self.step_fn(model, batch)
+        return terms(value, samples, "step_fn")
 
     def _forward(self, model, batch, precision, dtype):
         if not (isinstance(batch, Sequence) and len(batch) == 2):
