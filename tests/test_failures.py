@@ -1,5 +1,8 @@
 """A worker that raises or dies stops the run fast, with its story, and leaves nothing behind."""
 import functools
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -91,3 +94,19 @@ def test_bad_arguments_to_fit_are_refused_before_any_process_starts(no_leaks):
         trainer.fit(SmallConvNet(), tiny_dataset(n=5), optimizer=SGD)
     with pytest.raises(ConfigError, match="the optimizer factory cannot be sent"):
         trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path, start_method):
+    # Workers import the script's main module, as spawn does; unguarded, it would train again there.
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                      "from helpers import SmallConvNet, tiny_dataset\n"
+                      "from sn_trainer import Trainer\n"
+                      f"Trainer(workers=2, batch_size=8, max_steps=1, start_method={start_method!r})"
+                      ".fit(SmallConvNet(), tiny_dataset())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sn_trainer.errors.WorkerFailed: worker") and 'if __name__ == "__main__":' in last
+    assert "bootstrapping phase" not in done.stderr

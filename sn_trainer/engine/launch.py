@@ -84,7 +84,16 @@ class Heartbeats:
                        f"phase {phase}") for rank, step, phase, seconds in causes]
 
 
+# A worker's exit code when the script it imports (as spawn does) starts training at import.
+EXIT_TRAINS_AT_IMPORT = 78
+TRAINS_AT_IMPORT = ("the script starts training when it is imported: each worker imports the main module, as "
+                    "multiprocessing's spawn does, so put the script's training code under "
+                    "`if __name__ == \"__main__\":`")
+
+
 def describe_exit(exitcode: int | None) -> str:
+    if exitcode == EXIT_TRAINS_AT_IMPORT:
+        return TRAINS_AT_IMPORT
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -219,6 +228,10 @@ def launch(
     Raises:
         WorkerFailed: as soon as one worker raises, dies or hangs; by then every worker is dead.
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        # This process is a worker importing the script: a known exit code, rather than
+        # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
+        os._exit(EXIT_TRAINS_AT_IMPORT)
     ctx = _context(start_method, allocator)
     procs, conns = [], []
     try:
