@@ -30,7 +30,7 @@ from .checkpoint import CheckpointDir
 from .config import TrainerConfig
 from .data.batching import check_sample, share_dataset
 from .data.sampler import slice_bounds, steps_per_epoch
-from .engine import state
+from .engine import forkserver, state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
@@ -141,6 +141,9 @@ class Trainer:
         self.topology = read_topology()
         self.placement = self._place()
         if self.config.allocator != "auto":  # auto is known at fit: the fork server will start then, with it
+            if starts_warm(self.config.start_method, self.config.allocator) and forkserver.running_allocator() is None:
+                log.info("starting the warm workers' server: the first fit waits while it imports torch; call "
+                         "sn_trainer.warm_up() before importing torch to overlap that with the script's own import")
             warm_up(self.config.start_method, self.config.allocator)  # it imports torch while this process goes on
         # Shared with the workers for all of this Trainer's runs: a stop request outlives restarts.
         self._stop = StopFlags.allocate()

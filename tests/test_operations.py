@@ -47,6 +47,20 @@ def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_
         earlier |= workers.keys()
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_a_late_start_of_the_warm_workers_server_says_how_to_start_it_early(early):
+    script = ("import logging, sys\n"
+              "import sn_trainer\n"
+              "if __name__ == '__main__':\n"
+              "    if sys.argv[1] == 'early': sn_trainer.warm_up()\n"
+              "    import torch\n"
+              "    logging.basicConfig(level=logging.INFO)\n"
+              "    sn_trainer.Trainer(workers=1); sn_trainer.Trainer(workers=1)\n")
+    done = subprocess.run([sys.executable, "-c", script, "early" if early else "late"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert done.stderr.count("call sn_trainer.warm_up() before importing torch") == (0 if early else 1), done.stderr
+
+
 def test_sigint_to_one_worker_stops_the_run_at_a_step_boundary(tmp_path):
     marker = uuid.uuid4().hex
     run = tmp_path / "run"
