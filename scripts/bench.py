@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
-from sn_trainer.engine.launch import allocator_library, available_allocators
+from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
@@ -189,12 +189,18 @@ def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
     queue.put(2 * 1024**3 * reps / (time.perf_counter() - start) / 1e9)
 
 
+def runtime_of(variant: str) -> Runtime:
+    """The runtime a variant's name asks for: ideal_tcmalloc, sn_jemalloc_intel (OpenMP), sn (defaults)."""
+    parts = variant.split("_")[1:]
+    return Runtime(parts[0] if parts else "system", parts[1] if len(parts) > 1 else "gnu")
+
+
 @contextmanager
-def preloaded(allocator: str):
-    """Processes spawned inside run with ``allocator`` (LD_PRELOAD), as sn_trainer's workers can."""
-    library, before = allocator_library(allocator), os.environ.get("LD_PRELOAD")
-    if library:
-        os.environ["LD_PRELOAD"] = library
+def preloaded(runtime: Runtime):
+    """Processes spawned inside run with ``runtime``'s libraries (LD_PRELOAD), as sn_trainer's workers can."""
+    libraries, before = runtime.libraries(), os.environ.get("LD_PRELOAD")
+    if libraries:
+        os.environ["LD_PRELOAD"] = ":".join(libraries)
     try:
         yield
     finally:
@@ -305,13 +311,14 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
         # A global batch is done when its last slice is: like DDP's and sn_trainer's, the
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
-        with preloaded(variant.partition("_")[2] or "system"):  # ideal_tcmalloc: the ideal with that allocator
+        with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
             seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
         return case.batch * timing.steps / seconds
-    allocator = variant.partition("_")[2] if variant in ("sn_jemalloc", "sn_tcmalloc") else "system"
+    runtime = runtime_of(variant) if variant not in ("sn_sync", "sn_1worker") else Runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
-                     sync_batchnorm=variant == "sn_sync", allocator=allocator, log_every=10**9).fit(
+                     sync_batchnorm=variant == "sn_sync", allocator=runtime.allocator, openmp=runtime.openmp,
+                     log_every=10**9).fit(
         make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
 
@@ -371,12 +378,15 @@ def memory_comparison(workers: int) -> dict:
 # --- the run -------------------------------------------------------------------------------------
 
 ALLOCATED = [a for a in ("jemalloc", "tcmalloc") if a in available_allocators()]
+# With Intel's OpenMP in place of torch's GNU one, as run_cpu launches the peers: each allocator.
+WITH_INTEL_OPENMP = [f"{a}_intel" for a in ("system", *ALLOCATED)] if "intel" in available_openmps() else []
 
 
 def variants_of(case: Case, runtimes: bool = False) -> tuple[str, ...]:
     extra = ("sn_sync",) if case.batch_norm else ()  # the cost of sync_batchnorm
     if runtimes:  # every variant with its best launch: run_cpu for the peers, an allocator for the ideal and sn
-        extra += ("plain_cpu", "ddp_cpu", *(f"ideal_{a}" for a in ALLOCATED), *(f"sn_{a}" for a in ALLOCATED))
+        launches = (*ALLOCATED, *WITH_INTEL_OPENMP)
+        extra += ("plain_cpu", "ddp_cpu", *(f"ideal_{a}" for a in launches), *(f"sn_{a}" for a in launches))
     return (*VARIANTS, *extra, "sn_1worker")
 
 
@@ -507,7 +517,8 @@ def markdown(report: dict) -> str:
                          f"{r['sync_bn_over_sn']:.2f} |")
     lines.append("\nEvery variant with its best launch, same run: plain PyTorch and DDP launched by PyTorch's "
                  "`python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel OpenMP, cores and threads "
-                 "set by it), the ideal and sn_trainer with each allocator; samples/s, the best launch named:\n\n"
+                 "set by it), the ideal and sn_trainer with each allocator, with GNU's OpenMP and with Intel's "
+                 "(`_intel`); samples/s, the best launch named:\n\n"
                  "| case | plain, best launch | DDP, run_cpu | ideal, best | sn_trainer, best (tuned runtime) "
                  "| sn / best plain | ideal / best plain |\n|---|---|---:|---|---|---:|---:|")
     for r in report["rows"]:

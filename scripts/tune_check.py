@@ -1,4 +1,4 @@
-"""The tuner against an exhaustive sweep of the same grid (workers x threads x allocator), side by side.
+"""The tuner against an exhaustive sweep of the same grid (workers x threads x allocator x OpenMP), side by side.
 
 For each case, every point of the grid is measured (``--rounds`` alternating rounds, medians),
 and the tuner (``Trainer.tune``, as it ships) runs once in between: its choice is then read off
@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer, tune
-from sn_trainer.engine.launch import available_allocators
+from sn_trainer.engine.runtime import available_allocators, available_openmps
 from sn_trainer.engine.topology import read_topology
 from sn_trainer.models import build_model
 from sn_trainer.report.machine import describe_machine
@@ -37,9 +37,9 @@ def model_and_data(name, shape):
                                                       torch.randint(0, 10, (4096,), generator=g))
 
 
-def sweep_point(name, shape, batch, workers, threads, allocator, steps, warmup) -> float:
+def sweep_point(name, shape, batch, workers, threads, allocator, openmp, steps, warmup) -> float:
     model, data = model_and_data(name, shape)
-    result = Trainer(workers=workers, threads=threads, batch_size=batch, allocator=allocator,
+    result = Trainer(workers=workers, threads=threads, batch_size=batch, allocator=allocator, openmp=openmp,
                      max_steps=warmup + steps, measure_after=warmup, log_every=10**9).fit(model, data, optimizer=SGD)
     return result.samples_per_sec
 
@@ -52,11 +52,12 @@ def main() -> None:
     parser.add_argument("--out", default="results/tune")
     args = parser.parse_args()
     cores = read_topology().physical_cores
-    allocators = available_allocators()
+    allocators, openmps = available_allocators(), available_openmps()
     report = {"machine": describe_machine(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-              "allocators": allocators, "cases": [], "command": "python scripts/tune_check.py"}
+              "allocators": allocators, "openmps": openmps, "cases": [],
+              "command": f"python scripts/tune_check.py --rounds {args.rounds}"}
     for name, shape, batch in CASES:
-        grid = [(w, t, a) for w, t in tune.candidates(cores, batch) for a in allocators]
+        grid = [(w, t, a, o) for w, t in tune.candidates(cores, batch) for a in allocators for o in openmps]
         samples: dict[tuple, list[float]] = {point: [] for point in grid}
         sweep_seconds = 0.0
         tuned = None
@@ -73,10 +74,10 @@ def main() -> None:
                     del os.environ["XDG_CACHE_HOME"]
         medians = {point: statistics.median(v) for point, v in samples.items()}
         best = max(medians, key=medians.get)
-        choice = (tuned.workers, tuned.threads, tuned.allocator)
-        row = {"model": name, "batch": batch, "sweep": [{"workers": w, "threads": t, "allocator": a,
-                                                         "samples_per_sec": medians[(w, t, a)],
-                                                         "rounds": samples[(w, t, a)]} for w, t, a in grid],
+        choice = (tuned.workers, tuned.threads, tuned.allocator, tuned.openmp)
+        row = {"model": name, "batch": batch, "sweep": [{"workers": w, "threads": t, "allocator": a, "openmp": o,
+                                                         "samples_per_sec": medians[(w, t, a, o)],
+                                                         "rounds": samples[(w, t, a, o)]} for w, t, a, o in grid],
                "sweep_best": {"point": list(best), "samples_per_sec": medians[best]},
                "tuned": {"point": list(choice), "samples_per_sec_in_sweep": medians[choice],
                          "table": tuned.table(), "seconds": tuned.seconds},
@@ -93,7 +94,8 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# The tuner against an exhaustive sweep", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, torch {m['torch']}. "
-             f"`{report['command']}`: every point of workers x threads x allocator ({', '.join(report['allocators'])}), "
+             f"`{report['command']}`: every point of workers x threads x allocator ({', '.join(report['allocators'])}) "
+             f"x OpenMP ({', '.join(report['openmps'])}), "
              f"{report['rounds']} alternating rounds of {report['steps']} steps after {report['warmup']}, medians; "
              "the tuner (`Trainer.tune` as it ships) ran once, between the rounds, and its choice is read off the "
              "sweep's own measurements.", "",
@@ -105,10 +107,10 @@ def markdown(report: dict) -> str:
                      f"{best['samples_per_sec']:.0f} | {' x '.join(map(str, tuned['point']))} | "
                      f"{tuned['samples_per_sec_in_sweep']:.0f} | {c['tuned_over_best']:.2f} | {tuned['seconds']:.0f} | "
                      f"{c['sweep_seconds']:.0f} | {c['tuner_over_sweep_time']:.2f} |")
-    lines += ["", "Every point (workers x threads x allocator: samples/s, median):", ""]
+    lines += ["", "Every point (workers x threads allocator/OpenMP: samples/s, median):", ""]
     for c in report["cases"]:
         lines.append(f"- {c['model']} b{c['batch']}: " + "; ".join(
-            f"{p['workers']}x{p['threads']} {p['allocator']} {p['samples_per_sec']:.0f}" for p in c["sweep"]))
+            f"{p['workers']}x{p['threads']} {p['allocator']}/{p['openmp']} {p['samples_per_sec']:.0f}" for p in c["sweep"]))
     lines += ["", "The tuner's own tables:", ""]
     for c in report["cases"]:
         lines += [f"{c['model']} b{c['batch']}:", "```", c["tuned"]["table"], "```"]

@@ -41,10 +41,10 @@ def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         print(help_text(_groups()))
         return
-    if not any(arg.startswith(("start_method=", "allocator=")) and not arg.endswith(("=forkserver", "=system"))
-               for arg in sys.argv[1:]):
+    if not any(arg.startswith(("start_method=", "allocator=", "openmp="))
+               and not arg.endswith(("=forkserver", "=system", "=gnu")) for arg in sys.argv[1:]):
         # The warm workers' server imports torch now, while this process imports it too; a run
-        # that asks for another start or allocator starts its own when its Trainer is made.
+        # that asks for another start, allocator or OpenMP starts its own when its Trainer is made.
         forkserver.start()
     try:
         hydra_main()

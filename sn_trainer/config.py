@@ -18,6 +18,7 @@ PRECISIONS = ("fp32", "bf16")
 SHARDS = ("auto", "elements", "tensors")
 START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = ("system", "jemalloc", "tcmalloc", "auto")
+OPENMPS = ("gnu", "intel", "auto")
 SCHEDULES = ("constant", "cosine", "step")
 LOGGERS = ("none", "tensorboard")
 
@@ -87,6 +88,9 @@ class TrainerConfig:
     allocator: str = option("system", "the workers' memory allocator: `system` (the C library's), `jemalloc`, "
                                       "`tcmalloc`, or `auto` (what tuning measured fastest for this model, else "
                                       "system)")
+    openmp: str = option("gnu", "the workers' OpenMP runtime: `gnu` (torch's own), `intel` (libiomp5 from the "
+                                "intel-openmp package, preloaded), or `auto` (what tuning measured fastest for this "
+                                "model, else gnu)")
     log_every: int = option(100, "optimizer steps between progress records")
     eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
     measure_after: int = option(0, "warm-up steps left out of samples/s, phase seconds and CPU use", cli=False)
@@ -127,6 +131,7 @@ class TrainerConfig:
         _one_of(self.shards, "shards", SHARDS)
         _one_of(self.start_method, "start_method", START_METHODS)
         _one_of(self.allocator, "allocator", ALLOCATORS)
+        _one_of(self.openmp, "openmp", OPENMPS)
         _require(isinstance(self.channels_last, bool) or self.channels_last == "auto",
                  f"channels_last must be true, false or auto, got {self.channels_last!r}")
         _require(isinstance(self.sync_batchnorm, bool),
@@ -269,7 +274,7 @@ class RunConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: bool = option(False, "write a torch.profiler trace of a few steps per worker into the output directory")
-    tune: bool = option(False, "first measure which workers x threads (and allocator) trains this model and batch "
+    tune: bool = option(False, "first measure which workers x threads (and runtime) trains this model and batch "
                                "fastest here, print the table, then train with it; the choice is cached for "
                                "workers=auto")
     logger: str = option("tensorboard", "`tensorboard`: loss, lr, speed, milliseconds per phase, per-core CPU and "

@@ -80,7 +80,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
                              param_groups=param_groups)
         print(tuned.table(), flush=True)
         settings = dataclasses.replace(settings, workers=tuned.workers, threads=tuned.threads,
-                                       allocator=tuned.allocator)
+                                       allocator=tuned.allocator, openmp=tuned.openmp)
         trainer = Trainer.from_config(settings, cluster)
         placement = trainer.placement
     sinks = [ProgressLog(out, total_steps)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -35,11 +36,11 @@ from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
 from .engine.comm import SHM_SAFE, ShmBuffers
-from .engine.launch import (Heartbeats, Watchdog, allocator_library, available_allocators, launch, starts_warm,
-                            unpack, warm_up)
+from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, trainable_parameters
 from .engine.objective import Objective
 from .engine.plan import Placement, Plan
+from .engine.runtime import Runtime, available_allocators, available_openmps
 from .engine.shared import SharedParams
 from .engine.signals import StopFlags, graceful_stop
 from .engine.topology import auto_workers, plan_pinning, read_topology
@@ -140,11 +141,12 @@ class Trainer:
         self.cluster = cluster
         self.topology = read_topology()
         self.placement = self._place()
-        if self.config.allocator != "auto":  # auto is known at fit: the fork server will start then, with it
-            if starts_warm(self.config.start_method, self.config.allocator) and forkserver.running_allocator() is None:
+        if "auto" not in (self.config.allocator, self.config.openmp):  # auto is known at fit: the server starts then
+            runtime = self.placement.runtime
+            if starts_warm(self.config.start_method, runtime) and forkserver.running_runtime() is None:
                 log.info("starting the warm workers' server: the first fit waits while it imports torch; call "
                          "sn_trainer.warm_up() before importing torch to overlap that with the script's own import")
-            warm_up(self.config.start_method, self.config.allocator)  # it imports torch while this process goes on
+            warm_up(self.config.start_method, runtime)  # it imports torch while this process goes on
         # Shared with the workers for all of this Trainer's runs: a stop request outlives restarts.
         self._stop = StopFlags.allocate()
 
@@ -180,64 +182,92 @@ class Trainer:
             if comm == "shm":
                 notes.append("comm=shm asked for, gloo ran: the shared-memory barrier relies on x86-64's store order")
             comm = "gloo"
-        allocator = cfg.allocator if cfg.allocator != "auto" else (tuned or {}).get("allocator", "system")
-        allocator_library(allocator)  # installed, or say how to install it
+        runtime = Runtime(cfg.allocator if cfg.allocator != "auto" else (tuned or {}).get("allocator", "system"),
+                          cfg.openmp if cfg.openmp != "auto" else (tuned or {}).get("openmp", "gnu"))
+        runtime.libraries()  # installed, or say how to install them
         start_method = cfg.start_method
-        if start_method == "forkserver" and not starts_warm(start_method, allocator):
-            notes.append(f"allocator={allocator}: this process's warm workers run another allocator, so these "
+        if start_method == "forkserver" and not starts_warm(start_method, runtime):
+            notes.append(f"{runtime}: this process's warm workers run another allocator or OpenMP, so these "
                          "workers were spawned (cold) with it")
             start_method = "spawn"
         for note in notes:
             log.warning(note)
         return Placement(workers=workers, threads=threads, pinning=tuple(plan_pinning(self.topology, workers, threads)),
                          nodes=nodes, node_rank=self.cluster.node_rank if self.cluster else 0, comm=comm,
-                         reduce=cfg.reduce, bucket_kb=cfg.bucket_kb, precision=precision, allocator=allocator,
+                         reduce=cfg.reduce, bucket_kb=cfg.bucket_kb, precision=precision, allocator=runtime.allocator,
+                         openmp=runtime.openmp,
                          start_method=start_method, notes=tuple(notes))
 
     def _place_for(self, model: nn.Module) -> Placement:
-        """With workers or allocator auto, what tuning cached for this model and batch, if anything."""
+        """With workers or the runtime auto, what tuning cached for this model and batch, if anything."""
         cfg = self.config
-        if "auto" not in (cfg.workers, cfg.allocator) or self.cluster is not None:
+        autos = [name for name in ("workers", "allocator", "openmp") if getattr(cfg, name) == "auto"]
+        if not autos or self.cluster is not None:
             return self.placement
         entry = tune.load(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision))
         if entry is None:
-            return self._place() if cfg.allocator == "auto" else self.placement
-        log.info("%s: the tuned setting measured %s (%.0f samples/s): %d workers x %d threads, allocator %s (%s)",
-                 "workers=auto" if cfg.workers == "auto" else "allocator=auto", entry["measured_at"],
-                 entry["samples_per_sec"], entry["workers"], entry["threads"], entry["allocator"], tune.cache_path())
+            return self._place() if autos != ["workers"] else self.placement
+        log.info("%s: the tuned setting measured %s (%.0f samples/s): %d workers x %d threads, %s (%s)",
+                 ", ".join(f"{name}=auto" for name in autos), entry["measured_at"], entry["samples_per_sec"],
+                 entry["workers"], entry["threads"], Runtime(entry["allocator"], entry["openmp"]), tune.cache_path())
         return self._place(entry)
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
-             param_groups=None, steps: int = 12, warmup: int = 3, top: int = 3,
-             allocators: list[str] | None = None, cache: bool = True) -> "tune.TuneResult":
-        """Measure which workers x threads (and allocator) trains ``model`` fastest at this batch here.
+             param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 2.0, top: int = 3,
+             allocators: list[str] | None = None, openmps: list[str] | None = None,
+             cache: bool = True) -> "tune.TuneResult":
+        """Measure which workers x threads (and runtime) trains ``model`` fastest at this batch here.
 
         A cost model is calibrated with a few short fits (one worker at two batch sizes, one per
         thread count, two workers), predicts every candidate, and the best ``top`` are measured
-        with short real fits; then the allocators at the winner. The global batch stays as set.
-        The choice is cached for ``workers=auto`` (and ``allocator=auto``).
+        with short real fits; then the runtimes at the winner: each of ``allocators``, then each
+        of ``openmps`` with the fastest allocator (default: those installed). The global batch
+        stays as set. Each measurement runs ``warmup`` steps, then at least ``steps`` and about
+        ``window_s`` seconds of them, and counts its fastest quarter: on a shared machine a burst
+        of other work only ever slows a run down. The choice is cached for ``workers=auto`` (and
+        ``allocator=auto``, ``openmp=auto``).
         """
         import copy
 
         cfg, started = self.config, time.monotonic()
         allocators = allocators if allocators is not None else available_allocators()
+        openmps = openmps if openmps is not None else available_openmps()
 
-        def measure(workers: int, threads: int, batch: int, allocator: str) -> tuple[float, float]:
+        step_seconds: list[float] = []  # of the measurements so far: the next one's steps fill window_s
+
+        def measure(workers: int, threads: int, batch: int, runtime: Runtime) -> tuple[float, float]:
+            # A runtime other than the warm workers' is measured with spawned workers, as it would run.
+            start_method = cfg.start_method if starts_warm(cfg.start_method, runtime) else "spawn"
+            timed = max(steps, math.ceil(window_s / min(step_seconds))) if step_seconds else steps
+            quarter = max(1, timed // 4)
             trainer = Trainer(**{**asdict(cfg), "workers": workers, "threads": threads, "batch_size": batch,
-                                 "allocator": allocator, "max_steps": warmup + steps, "measure_after": warmup,
-                                 "checkpoint_dir": None, "resume": None, "log_every": 10**9})
-            result = trainer.fit(copy.deepcopy(model), train_set, optimizer=optimizer, loss_fn=loss_fn,
-                                 step_fn=step_fn, param_groups=param_groups)
-            log.info("tune: %d workers x %d threads, batch %d, %s: %.0f samples/s", workers, threads, batch,
-                     allocator, result.samples_per_sec)
-            return result.samples_per_sec, result.train_seconds / result.measured_steps
+                                 "allocator": runtime.allocator, "openmp": runtime.openmp,
+                                 "start_method": start_method, "max_steps": warmup + 4 * quarter,
+                                 "measure_after": warmup, "checkpoint_dir": None, "resume": None,
+                                 "log_every": quarter})
+            quarters, last = [], [0]  # samples/s of each stretch after the warm-up, from the progress records
 
-        calibration, rows, by_allocator = tune.search(measure, self.topology.physical_cores, cfg.batch_size,
-                                                      allocators, top)
+            def record(r: dict[str, Any]) -> None:
+                if "samples_per_sec" in r:  # whole quarters (an epoch's end also cuts one short)
+                    if last[0] >= warmup and r["step"] - last[0] >= max(1, quarter // 2):
+                        quarters.append(r["samples_per_sec"])
+                    last[0] = r["step"]
+
+            result = trainer.fit(copy.deepcopy(model), train_set, optimizer=optimizer, loss_fn=loss_fn,
+                                 step_fn=step_fn, param_groups=param_groups, on_log=record)
+            rate = max(quarters, default=result.samples_per_sec)
+            log.info("tune: %d workers x %d threads, batch %d, %s: %.0f samples/s", workers, threads, batch,
+                     runtime, rate)
+            step_seconds.append(batch / rate)
+            return rate, step_seconds[-1]
+
+        calibration, rows, by_runtime = tune.search(measure, self.topology.physical_cores, cfg.batch_size,
+                                                    allocators, openmps, top)
         best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
-        allocator = max(by_allocator, key=by_allocator.get)
-        result = tune.TuneResult(best["workers"], best["threads"], allocator, by_allocator[allocator], rows,
-                                 calibration, time.monotonic() - started, allocators=by_allocator)
+        runtime = max(by_runtime, key=by_runtime.get)
+        result = tune.TuneResult(best["workers"], best["threads"], runtime.allocator, by_runtime[runtime], rows,
+                                 calibration, time.monotonic() - started, openmp=runtime.openmp,
+                                 runtimes={str(r): rate for r, rate in by_runtime.items()})
         if cache:
             path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)
             log.info("tune: cached in %s for workers=auto", path)
@@ -514,7 +544,7 @@ class Trainer:
         if placement.start_method != "forkserver":
             return preflight.rehearse(script)
         (outcome,) = launch(preflight.rehearse_in_worker, [script], start_method=placement.start_method,
-                            allocator=placement.allocator)
+                            runtime=placement.runtime)
         if "error" in outcome:
             raise UserCodeError(outcome["error"])
         return outcome["rehearsal"]
@@ -547,7 +577,7 @@ class Trainer:
             where = f"node {self.cluster.node_rank} " if self.cluster else ""
             results = launch(target, specs, on_message=relay, stop=self._stop, where=where,
                              watchdog=Watchdog(heartbeats, plan.worker_timeout, on_tick=peak),
-                             start_method=placement.start_method, allocator=placement.allocator)
+                             start_method=placement.start_method, runtime=placement.runtime)
             return results, peak.peak_bytes
         finally:
             SharedParams.release(model)

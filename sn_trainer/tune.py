@@ -1,4 +1,4 @@
-"""Choosing workers x threads (and the allocator) for a model, batch and machine, as the paper advises.
+"""Choosing workers x threads (and the runtime) for a model, batch and machine, as the paper advises.
 
 A cost model calibrated on the spot predicts every candidate; the best few are verified by short
 real runs; the answer is cached for ``workers=auto``. The model of one optimizer step with W
@@ -16,6 +16,7 @@ the workers together stream more than the machine gives (for predictions of othe
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -26,11 +27,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine.runtime import Runtime
 from .report.machine import describe_machine
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+# 2: the OpenMP runtime is tuned too (entries of format 1 measured only the allocators).
+CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ class TuneResult:
     calibration: Calibration
     seconds: float  # what tuning took
     cached: bool = False  # read from the cache, not measured now
-    allocators: dict[str, float] = field(default_factory=dict)
+    openmp: str = "gnu"
+    runtimes: dict[str, float] = field(default_factory=dict)  # samples/s at the winner, by runtime
 
     def table(self) -> str:
         lines = [f"{'workers':>7s} {'threads':>7s} {'per-worker':>10s} {'predicted':>10s} {'measured':>10s}"]
@@ -123,9 +127,9 @@ class TuneResult:
             measured = f"{r['measured']:10.0f}" if r.get("measured") else f"{'-':>10s}"
             lines.append(f"{r['workers']:7d} {r['threads']:7d} {r['per_worker_batch']:10.1f} {r['predicted']:10.0f} "
                          f"{measured}")
-        if self.allocators:
-            lines.append("allocators at the winner: " + ", ".join(f"{k} {v:.0f}" for k, v in self.allocators.items()))
-        lines.append(f"best: workers={self.workers} threads={self.threads} allocator={self.allocator} "
+        if self.runtimes:
+            lines.append("runtimes at the winner: " + ", ".join(f"{k} {v:.0f}" for k, v in self.runtimes.items()))
+        lines.append(f"best: workers={self.workers} threads={self.threads} {Runtime(self.allocator, self.openmp)} "
                      f"({self.samples_per_sec:.0f} samples/s; tuning took {self.seconds:.0f} s)")
         return "\n".join(lines)
 
@@ -190,6 +194,7 @@ def store(key: str, result: TuneResult, path: Path | None = None) -> Path:
     except (OSError, ValueError):
         cache = {}
     cache[key] = {"workers": result.workers, "threads": result.threads, "allocator": result.allocator,
+                  "openmp": result.openmp,
                   "samples_per_sec": result.samples_per_sec, "calibration": asdict(result.calibration),
                   "rows": result.rows, "measured_at": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -229,36 +234,38 @@ def bytes_per_sample(model, sample_batch) -> float:
 
 # --- the search ---------------------------------------------------------------------------------
 
-def search(measure, cores: int, batch: int, allocators: list[str], top: int = 3,
-           thread_counts=(1, 2, 4)) -> tuple[Calibration, list[dict[str, Any]], dict[str, float]]:
-    """Calibrate, predict every candidate, verify the best ``top`` and the allocators at the winner.
+def search(measure, cores: int, batch: int, allocators: list[str], openmps: list[str] = ("gnu",), top: int = 3,
+           thread_counts=(1, 2, 4)) -> tuple[Calibration, list[dict[str, Any]], dict[Runtime, float]]:
+    """Calibrate, predict every candidate, verify the best ``top``, then the runtimes at the winner:
+    each allocator, then each OpenMP runtime with the fastest allocator.
 
-    ``measure(workers, threads, batch, allocator) -> (samples/s, seconds per step)`` runs a short
-    real fit. Returns the calibration, one row per candidate, and samples/s per allocator.
+    ``measure(workers, threads, batch, runtime) -> (samples/s, seconds per step)`` runs a short
+    real fit. Returns the calibration, one row per candidate, and samples/s per runtime.
     """
+    default = Runtime()
     threads = [t for t in thread_counts if t <= cores]
     measured: dict[tuple[int, int], float] = {}
     # One worker on one core, at the global batch and at the smallest per-worker batch.
     points = []
     for b in sorted({batch, max(1, batch // cores)}):
-        rate, seconds = measure(1, 1, b, "system")
+        rate, seconds = measure(1, 1, b, default)
         points.append((b, seconds))
         if b == batch:
             measured[(1, 1)] = rate
     alpha, beta = fit_line(points)
     compute = {1: (alpha, beta)}
     for t in threads[1:]:
-        rate, seconds = measure(1, t, batch, "system")
+        rate, seconds = measure(1, t, batch, default)
         measured[(1, t)] = rate
         compute[t] = (alpha, max(0.0, seconds - alpha) / batch)
     sync_two = sync_per_doubling = 0.0
     if cores >= 2 and batch >= 2:
-        rate, seconds = measure(2, 1, batch, "system")
+        rate, seconds = measure(2, 1, batch, default)
         measured[(2, 1)] = rate
         sync_two = max(0.0, seconds - (alpha + beta * batch / 2))
         sync_per_doubling = sync_two  # an assumption, until a machine with 4 cores measures it
         if cores >= 4 and batch >= 4:
-            rate, seconds = measure(4, 1, batch, "system")
+            rate, seconds = measure(4, 1, batch, default)
             measured[(4, 1)] = rate
             sync_per_doubling = max(0.0, (seconds - (alpha + beta * batch / 4)) - sync_two)
     cal = Calibration(compute, sync_two, sync_per_doubling)
@@ -269,12 +276,17 @@ def search(measure, cores: int, batch: int, allocators: list[str], top: int = 3,
     for r in rows[:top]:
         key = (r["workers"], r["threads"])
         if key not in measured:
-            measured[key] = measure(key[0], key[1], batch, "system")[0]
+            measured[key] = measure(key[0], key[1], batch, default)[0]
     for r in rows:
         r["measured"] = measured.get((r["workers"], r["threads"]))
     best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
-    by_allocator = {"system": best["measured"]}
+    at_winner = functools.partial(measure, best["workers"], best["threads"], batch)
+    by_runtime = {default: best["measured"]}
     for allocator in allocators:
-        if allocator != "system":
-            by_allocator[allocator] = measure(best["workers"], best["threads"], batch, allocator)[0]
-    return cal, rows, by_allocator
+        if allocator != default.allocator:
+            by_runtime[Runtime(allocator)] = at_winner(Runtime(allocator))[0]
+    allocator = max(by_runtime, key=by_runtime.get).allocator
+    for openmp in openmps:
+        if openmp != default.openmp:
+            by_runtime[Runtime(allocator, openmp)] = at_winner(Runtime(allocator, openmp))[0]
+    return cal, rows, by_runtime

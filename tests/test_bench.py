@@ -41,6 +41,19 @@ def test_the_best_launch_table_picks_each_variants_fastest_launch():
     assert runtimes["sn_over_best_plain"] == pytest.approx(1.1)
 
 
+def test_runtime_launches_are_named_and_run():
+    from sn_trainer.engine.runtime import Runtime
+
+    assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime()
+    assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc")
+    assert bench.runtime_of("sn_jemalloc_intel") == Runtime("jemalloc", "intel")
+    variants = bench.variants_of(bench.Case("lenet", 64, "fp32", True), runtimes=True)
+    assert {"plain_cpu", "ddp_cpu", "ideal_tcmalloc_intel", "sn_tcmalloc_intel", "sn_system_intel"} <= set(variants)
+    case = bench.Case("lenet", 8, "fp32", True)
+    for variant in ("ideal_tcmalloc_intel", "sn_tcmalloc_intel"):
+        assert bench.measure(variant, case, 2, bench.Timing(warmup=1, steps=2), read_topology()) > 0
+
+
 def test_memory_counts_a_whole_process_tree():
     import psutil
 

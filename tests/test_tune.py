@@ -1,11 +1,15 @@
 """Tuning: the cost model's maths on synthetic timings, the search, the cache, and workers=auto reusing it."""
+import copy
+import functools
 import json
+import platform
 
 import pytest
 import torch
 
 from helpers import SmallConvNet, tiny_dataset
-from sn_trainer import Trainer, tune
+from sn_trainer import ConfigError, Trainer, tune
+from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,23 +47,28 @@ def test_threads_not_measured_split_the_per_sample_work_of_the_nearest_below():
     assert tune.compute_seconds(cal, 4, 100) == pytest.approx(0.001 + 6e-5 * 2 / 4 * 100)
 
 
-def test_the_search_verifies_the_best_predictions_and_the_allocators():
+def test_the_search_verifies_the_best_predictions_and_the_runtimes():
     calls = []
 
-    def measure(workers, threads, batch, allocator):  # a machine where 2 workers pay off, and tcmalloc does
-        calls.append((workers, threads, batch, allocator))
+    def measure(workers, threads, batch, runtime):  # a machine where 2 workers pay off, tcmalloc and Intel's OpenMP do
+        calls.append((workers, threads, batch, runtime))
         seconds = 0.001 + 1e-4 * batch / workers / threads ** 0.5 + (0.0005 if workers > 1 else 0.0)
-        seconds /= 1.2 if allocator == "tcmalloc" else 1.0
+        seconds /= 1.2 if runtime.allocator == "tcmalloc" else 1.0
+        seconds /= 1.1 if runtime.openmp == "intel" else 1.0
         return batch / seconds, seconds
 
-    cal, rows, allocators = tune.search(measure, cores=2, batch=128, allocators=["system", "tcmalloc"])
+    cal, rows, runtimes = tune.search(measure, cores=2, batch=128, allocators=["system", "jemalloc", "tcmalloc"],
+                                      openmps=["gnu", "intel"])
     assert cal.compute[1] == pytest.approx((0.001, 1e-4))
     assert {(r["workers"], r["threads"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
     best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
     assert (best["workers"], best["threads"]) == (2, 1)
-    assert allocators["tcmalloc"] > allocators["system"]
-    assert calls[-1] == (2, 1, 128, "tcmalloc")  # the allocators are tried at the winner
-    assert len(calls) <= 6  # calibration reuses its runs: no candidate is measured twice
+    assert runtimes[Runtime("tcmalloc")] > runtimes[Runtime("jemalloc")] == pytest.approx(runtimes[Runtime()])
+    # Intel's OpenMP is tried at the winner with the fastest allocator, and wins there.
+    assert calls[-1] == (2, 1, 128, Runtime("tcmalloc", "intel"))
+    assert max(runtimes, key=runtimes.get) == Runtime("tcmalloc", "intel")
+    assert set(runtimes) == {Runtime(), Runtime("jemalloc"), Runtime("tcmalloc"), Runtime("tcmalloc", "intel")}
+    assert len(calls) <= 8  # calibration reuses its runs: no candidate is measured twice
 
 
 def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
@@ -76,6 +85,9 @@ def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
     cache[key]["versions"]["torch"] = "0.0.1"  # measured with other software: not carried over
     path.write_text(json.dumps(cache))
     assert tune.load(key) is None
+    cache[key]["versions"] = {**tune.versions(), "format": 1}  # measured before the OpenMP runtime was tuned
+    path.write_text(json.dumps(cache))
+    assert tune.load(key) is None
     assert tune.load("no such key") is None
 
 
@@ -88,7 +100,7 @@ def test_tune_measures_caches_and_workers_auto_uses_it(tmp_path, monkeypatch, ca
     torch.manual_seed(0)
     model, sgd = SmallConvNet(), functools.partial(torch.optim.SGD, lr=0.01)
     result = Trainer(batch_size=16).tune(model, tiny_dataset(n=160), optimizer=sgd, steps=3, warmup=1,
-                                         allocators=["system"])
+                                         allocators=["system"], openmps=["gnu"])
     assert any(r["measured"] for r in result.rows) and result.samples_per_sec > 0
     assert (result.workers, result.threads) in {(r["workers"], r["threads"]) for r in result.rows}
     assert "best: workers=" in result.table()
@@ -97,17 +109,33 @@ def test_tune_measures_caches_and_workers_auto_uses_it(tmp_path, monkeypatch, ca
     assert "workers=auto: the tuned setting measured" in caplog.text
 
 
-def test_an_allocator_is_preloaded_in_the_workers(tmp_path):
-    from sn_trainer.engine.launch import available_allocators
-
-    probe = AllocatorProbe(SmallConvNet(), str(tmp_path))
+@pytest.mark.parametrize("openmp", ["gnu", "intel"] if platform.machine() == "x86_64" else ["gnu"])
+def test_the_runtime_is_preloaded_in_the_workers_and_trains_the_same(tmp_path, openmp):
     allocator = [a for a in available_allocators() if a != "system"]
-    if not allocator:
-        pytest.fail("no jemalloc or tcmalloc here: scripts/setup.sh installs them")
-    result = Trainer(workers=2, batch_size=8, max_steps=2, allocator=allocator[0]).fit(probe, tiny_dataset())
+    if not allocator or openmp not in available_openmps():
+        pytest.fail("jemalloc, tcmalloc or libiomp5 missing here: scripts/setup.sh installs them")
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    reference = copy.deepcopy(model)
+    probe = AllocatorProbe(model, str(tmp_path))
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    result = Trainer(workers=2, threads=1, batch_size=8, max_steps=3, allocator=allocator[0], openmp=openmp).fit(
+        probe, tiny_dataset(), optimizer=sgd)
     maps = [p.read_text() for p in tmp_path.glob("*.maps")]
     assert len(maps) == 2 and all(("jemalloc" if allocator[0] == "jemalloc" else "tcmalloc") in m for m in maps)
-    assert result.plan["allocator"] == allocator[0]
+    assert all(("libiomp5" in m) == (openmp == "intel") for m in maps)
+    assert (result.plan["allocator"], result.plan["openmp"]) == (allocator[0], openmp)
+    # The runtime changes where memory comes from and who runs the threads, not the arithmetic.
+    Trainer(workers=2, threads=1, batch_size=8, max_steps=3).fit(reference, tiny_dataset(), optimizer=sgd)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_runtime_that_is_not_installed_is_refused_up_front(monkeypatch):
+    from sn_trainer.engine import runtime
+
+    monkeypatch.setattr(runtime, "_intel_openmp", lambda: None)
+    with pytest.raises(ConfigError, match="openmp=intel: libiomp5 is not installed; install it"):
+        Trainer(workers=1, openmp="intel")
 
 
 class AllocatorProbe(torch.nn.Module):

@@ -14,27 +14,31 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Sequence
 from contextlib import contextmanager
+
+from .runtime import Runtime
 
 # What the server imports before its first fork: this process's main module (as spawn would),
 # the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim
 # imports on an optimizer's first use.
 PRELOAD = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
 
-# The allocator the server of this process was started with: it cannot change afterwards.
-_running: dict[str, str] = {}
+# The runtime (allocator, OpenMP) the server of this process was started with: it cannot change
+# afterwards.
+_running: dict[str, Runtime] = {}
 
 
 def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def running_allocator() -> str | None:
-    return _running.get("allocator")
+def running_runtime() -> Runtime | None:
+    return _running.get("runtime")
 
 
-def start(allocator: str = "system", library: str | None = None) -> None:
-    """Start this process's fork server (once) with ``allocator``, its ``library`` preloaded.
+def start(runtime: Runtime = Runtime()) -> None:
+    """Start this process's fork server (once) with ``runtime``'s libraries preloaded.
 
     Not while a main module is imported into a new process (the server preloads it, as spawn
     does): a script that calls this unguarded by ``if __name__ == "__main__"`` starts no chain.
@@ -43,18 +47,18 @@ def start(allocator: str = "system", library: str | None = None) -> None:
         return
     multiprocessing.set_forkserver_preload(PRELOAD + (["torchvision"] if "torchvision" in sys.modules else []))
     _own_temp_dir()
-    with preloading(library):
+    with preloading(runtime.libraries()):
         multiprocessing.forkserver.ensure_running()
-    _running["allocator"] = allocator
+    _running["runtime"] = runtime
     atexit.register(_stop)
 
 
 @contextmanager
-def preloading(library: str | None):
-    """Processes started inside run with ``library`` preloaded; this process's environment is restored."""
+def preloading(libraries: Sequence[str]):
+    """Processes started inside run with ``libraries`` preloaded; this process's environment is restored."""
     before = os.environ.get("LD_PRELOAD")
-    if library:
-        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    if libraries:
+        os.environ["LD_PRELOAD"] = ":".join([*libraries, before] if before else libraries)
     try:
         yield
     finally:

@@ -9,7 +9,6 @@ and exits with it. ``start_method="spawn"`` starts each worker from a fresh inte
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import io
 import os
 import select
@@ -26,8 +25,9 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import ConfigError, WorkerFailed
+from ..errors import WorkerFailed
 from . import forkserver
+from .runtime import Runtime
 from .signals import StopFlags, stop_on_signals
 
 _PR_SET_PDEATHSIG = 1
@@ -103,47 +103,22 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} before reporting a result"
 
 
-START_METHODS = ("forkserver", "spawn")
-# The memory allocators a worker may run with (preloaded), by the library each needs.
-ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
-_PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
-
-
-def allocator_library(allocator: str) -> str | None:
-    """The shared library to preload for ``allocator`` (None: the C library's own malloc).
-
-    Raises:
-        ConfigError: the library is not installed.
-    """
-    if ALLOCATORS[allocator] is None:
-        return None
-    library = ctypes.util.find_library(ALLOCATORS[allocator])
-    if library is None:
-        raise ConfigError(f"allocator={allocator}: lib{ALLOCATORS[allocator]} is not installed; install it "
-                          f"(Debian: apt-get install {_PACKAGES[allocator]}) or use allocator=system")
-    return library
-
-
-def available_allocators() -> list[str]:
-    return [name for name, lib in ALLOCATORS.items() if lib is None or ctypes.util.find_library(lib)]
-
-
-def starts_warm(start_method: str, allocator: str) -> bool:
-    """Whether workers with ``allocator`` can come from this process's fork server."""
+def starts_warm(start_method: str, runtime: Runtime = Runtime()) -> bool:
+    """Whether workers with ``runtime`` can come from this process's fork server."""
     return (start_method == "forkserver" and forkserver.available()
-            and forkserver.running_allocator() in (None, allocator))
+            and forkserver.running_runtime() in (None, runtime))
 
 
-def warm_up(start_method: str = "forkserver", allocator: str = "system") -> None:
+def warm_up(start_method: str = "forkserver", runtime: Runtime = Runtime()) -> None:
     """Start the fork server now (if it is not running), so that it imports torch while this
-    process does other work. It runs with ``allocator`` for good: the first call decides."""
-    if starts_warm(start_method, allocator):
-        forkserver.start(allocator, allocator_library(allocator))
+    process does other work. It runs with ``runtime`` for good: the first call decides."""
+    if starts_warm(start_method, runtime):
+        forkserver.start(runtime)
 
 
-def _context(start_method: str, allocator: str):
-    if starts_warm(start_method, allocator):
-        warm_up(start_method, allocator)
+def _context(start_method: str, runtime: Runtime):
+    if starts_warm(start_method, runtime):
+        warm_up(start_method, runtime)
         return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
@@ -216,14 +191,14 @@ def launch(
     where: str = "",
     tick_s: float = 1.0,
     start_method: str = "forkserver",
-    allocator: str = "system",
+    runtime: Runtime = Runtime(),
 ) -> list[Any]:
     """Run ``target(payload, send)`` in one new process per payload; return their results.
 
     ``send(message)`` in a worker delivers ``on_message(rank, message)`` here. About every
     ``tick_s`` seconds the watchdog gets the workers' pids (memory sampling) and checks their
     heartbeats. ``where`` prefixes worker names in errors (the node, under torchrun). Workers run
-    with ``allocator``: from the fork server when it runs that one, else spawned with it.
+    with ``runtime``: from the fork server when it runs that one, else spawned with it.
 
     Raises:
         WorkerFailed: as soon as one worker raises, dies or hangs; by then every worker is dead.
@@ -232,14 +207,14 @@ def launch(
         # This process is a worker importing the script: a known exit code, rather than
         # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
         os._exit(EXIT_TRAINS_AT_IMPORT)
-    ctx = _context(start_method, allocator)
+    ctx = _context(start_method, runtime)
     procs, conns = [], []
     try:
         for payload in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
             spawned = ctx.get_start_method() == "spawn"
-            with forkserver.preloading(allocator_library(allocator) if spawned else None):
+            with forkserver.preloading(runtime.libraries() if spawned else []):
                 proc.start()
             theirs.close()
             procs.append(proc)

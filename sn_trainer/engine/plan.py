@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .runtime import Runtime
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -19,8 +21,13 @@ class Placement:
     bucket_kb: int = 256
     precision: str = "fp32"  # what runs, after any fallback
     allocator: str = "system"  # the workers' memory allocator
+    openmp: str = "gnu"  # the workers' OpenMP runtime
     start_method: str = "forkserver"  # what starts the workers: warm (fork server) or spawn
     notes: tuple[str, ...] = ()  # what was asked for but could not be had here, and what ran instead
+
+    @property
+    def runtime(self) -> Runtime:
+        return Runtime(self.allocator, self.openmp)
 
     @property
     def global_workers(self) -> int:
@@ -89,7 +96,7 @@ class Plan:
         p = self.placement
         return {"workers": p.workers, "threads": p.threads, "nodes": p.nodes, "pinning": [list(c) for c in p.pinning],
                 "comm": comm_used or p.comm, "reduce": p.reduce, "precision": p.precision, "allocator": p.allocator,
-                "start_method": p.start_method,
+                "openmp": p.openmp, "start_method": p.start_method,
                 "channels_last": self.channels_last, "shards": self.shards, "sync_batchnorm": self.sync_batchnorm,
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
                 "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,

@@ -69,7 +69,7 @@ def predict_table(spec: list[str], model_name: str, batch: int) -> str:
     if entry is None:
         data = torch.utils.data.TensorDataset(torch.randn(max(2048, 4 * batch), *shape),
                                               torch.randint(0, 10, (max(2048, 4 * batch),)))
-        calibration = Trainer(batch_size=batch).tune(model, data, allocators=[]).calibration
+        calibration = Trainer(batch_size=batch).tune(model, data, allocators=[], openmps=[]).calibration
         source = "calibrated now"
     else:
         calibration, source = tune.calibration_of(entry), f"calibrated {entry['measured_at']}"

@@ -1,0 +1,85 @@
+"""What a worker's kernels run with besides torch: the memory allocator and the OpenMP runtime.
+
+Each is chosen by preloading a shared library into the worker's process when it starts (the
+fork server's, or a spawned worker's). Standard library only: the command line starts the fork
+server with the default before it imports torch.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+# The memory allocators a worker may run with (preloaded), by the library each needs.
+ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
+_PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+# The OpenMP runtimes: torch's own (GNU, linked in), or Intel's, preloaded in its place (it
+# answers the GNU entry points torch calls), as PyTorch's own CPU launcher does.
+OPENMPS = ("gnu", "intel")
+
+
+def allocator_library(allocator: str) -> str | None:
+    """The shared library to preload for ``allocator`` (None: the C library's own malloc).
+
+    Raises:
+        ConfigError: the library is not installed.
+    """
+    if ALLOCATORS[allocator] is None:
+        return None
+    library = ctypes.util.find_library(ALLOCATORS[allocator])
+    if library is None:
+        raise ConfigError(f"allocator={allocator}: lib{ALLOCATORS[allocator]} is not installed; install it "
+                          f"(Debian: apt-get install {_PACKAGES[allocator]}) or use allocator=system")
+    return library
+
+
+def _intel_openmp() -> str | None:
+    """libiomp5: where the intel-openmp package puts it (this environment's lib/), else the system's."""
+    bundled = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(bundled) if bundled.exists() else ctypes.util.find_library("iomp5")
+
+
+def openmp_library(openmp: str) -> str | None:
+    """The shared library to preload for ``openmp`` (None: torch's own GNU OpenMP).
+
+    Raises:
+        ConfigError: Intel's is not installed.
+    """
+    if openmp == "gnu":
+        return None
+    library = _intel_openmp()
+    if library is None:
+        raise ConfigError("openmp=intel: libiomp5 is not installed; install it (pip install intel-openmp) "
+                          "or use openmp=gnu")
+    return library
+
+
+def available_allocators() -> list[str]:
+    return [name for name, lib in ALLOCATORS.items() if lib is None or ctypes.util.find_library(lib)]
+
+
+def available_openmps() -> list[str]:
+    return ["gnu"] + (["intel"] if _intel_openmp() else [])
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a worker's kernels run with besides torch: its memory allocator and OpenMP runtime,
+    both chosen by preloading a library when the worker's process starts."""
+
+    allocator: str = "system"
+    openmp: str = "gnu"
+
+    def libraries(self) -> list[str]:
+        """What to preload, in order.
+
+        Raises:
+            ConfigError: a library is not installed.
+        """
+        return [lib for lib in (allocator_library(self.allocator), openmp_library(self.openmp)) if lib]
+
+    def __str__(self) -> str:
+        return f"allocator={self.allocator} openmp={self.openmp}"
