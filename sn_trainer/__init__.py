@@ -24,10 +24,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def warm_up() -> None:
+def warm_up(allocator: str = "system", openmp: str = "gnu") -> None:
     """Start the warm workers' fork server now: call it first thing in a script (under ``if
     __name__ == "__main__":``), before importing torch, and the server imports torch while the
-    script does. A Trainer starts it otherwise, when it is made."""
+    script does. A Trainer starts it otherwise, when it is made. Its workers run with
+    ``allocator`` and ``openmp`` (a Trainer that asks for others spawns its workers cold)."""
     from .engine import forkserver
+    from .engine.runtime import Runtime
 
-    forkserver.start()
+    forkserver.start(Runtime(allocator, openmp))

@@ -213,7 +213,7 @@ class Trainer:
         return self._place(entry)
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
-             param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 2.0, top: int = 3,
+             param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 3.0, top: int = 3,
              allocators: list[str] | None = None, openmps: list[str] | None = None,
              cache: bool = True) -> "tune.TuneResult":
         """Measure which workers x threads (and runtime) trains ``model`` fastest at this batch here.
@@ -222,9 +222,8 @@ class Trainer:
         thread count, two workers), predicts every candidate, and the best ``top`` are measured
         with short real fits; then the runtimes at the winner: each of ``allocators``, then each
         of ``openmps`` with the fastest allocator (default: those installed). The global batch
-        stays as set. Each measurement runs ``warmup`` steps, then at least ``steps`` and about
-        ``window_s`` seconds of them, and counts its fastest quarter: on a shared machine a burst
-        of other work only ever slows a run down. The choice is cached for ``workers=auto`` (and
+        stays as set. Each measurement times at least ``steps`` steps and about ``window_s``
+        seconds of them, after ``warmup``. The choice is cached for ``workers=auto`` (and
         ``allocator=auto``, ``openmp=auto``).
         """
         import copy
@@ -239,34 +238,22 @@ class Trainer:
             # A runtime other than the warm workers' is measured with spawned workers, as it would run.
             start_method = cfg.start_method if starts_warm(cfg.start_method, runtime) else "spawn"
             timed = max(steps, math.ceil(window_s / min(step_seconds))) if step_seconds else steps
-            quarter = max(1, timed // 4)
             trainer = Trainer(**{**asdict(cfg), "workers": workers, "threads": threads, "batch_size": batch,
                                  "allocator": runtime.allocator, "openmp": runtime.openmp,
-                                 "start_method": start_method, "max_steps": warmup + 4 * quarter,
-                                 "measure_after": warmup, "checkpoint_dir": None, "resume": None,
-                                 "log_every": quarter})
-            quarters, last = [], [0]  # samples/s of each stretch after the warm-up, from the progress records
-
-            def record(r: dict[str, Any]) -> None:
-                if "samples_per_sec" in r:  # whole quarters (an epoch's end also cuts one short)
-                    if last[0] >= warmup and r["step"] - last[0] >= max(1, quarter // 2):
-                        quarters.append(r["samples_per_sec"])
-                    last[0] = r["step"]
-
+                                 "start_method": start_method, "max_steps": warmup + timed, "measure_after": warmup,
+                                 "checkpoint_dir": None, "resume": None, "log_every": 10**9})
             result = trainer.fit(copy.deepcopy(model), train_set, optimizer=optimizer, loss_fn=loss_fn,
-                                 step_fn=step_fn, param_groups=param_groups, on_log=record)
-            rate = max(quarters, default=result.samples_per_sec)
+                                 step_fn=step_fn, param_groups=param_groups)
             log.info("tune: %d workers x %d threads, batch %d, %s: %.0f samples/s", workers, threads, batch,
-                     runtime, rate)
-            step_seconds.append(batch / rate)
-            return rate, step_seconds[-1]
+                     runtime, result.samples_per_sec)
+            step_seconds.append(result.train_seconds / result.measured_steps)
+            return result.samples_per_sec, step_seconds[-1]
 
         calibration, rows, by_runtime = tune.search(measure, self.topology.physical_cores, cfg.batch_size,
                                                     allocators, openmps, top)
-        best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
-        runtime = max(by_runtime, key=by_runtime.get)
-        result = tune.TuneResult(best["workers"], best["threads"], runtime.allocator, by_runtime[runtime], rows,
-                                 calibration, time.monotonic() - started, openmp=runtime.openmp,
+        workers, threads, runtime, rate = tune.winner(rows, by_runtime)
+        result = tune.TuneResult(workers, threads, runtime.allocator, rate, rows, calibration,
+                                 time.monotonic() - started, openmp=runtime.openmp,
                                  runtimes={str(r): rate for r, rate in by_runtime.items()})
         if cache:
             path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)

@@ -128,7 +128,11 @@ class TuneResult:
             lines.append(f"{r['workers']:7d} {r['threads']:7d} {r['per_worker_batch']:10.1f} {r['predicted']:10.0f} "
                          f"{measured}")
         if self.runtimes:
-            lines.append("runtimes at the winner: " + ", ".join(f"{k} {v:.0f}" for k, v in self.runtimes.items()))
+            lines.append("runtimes at the best measured: " + ", ".join(f"{k} {v:.0f}" for k, v in self.runtimes.items()))
+        for r in self.rows:
+            if r.get("with_runtime"):
+                lines.append(f"the runner-up, {r['workers']} x {r['threads']}, with {r['with_runtime']['runtime']}: "
+                             f"{r['with_runtime']['measured']:.0f}")
         lines.append(f"best: workers={self.workers} threads={self.threads} {Runtime(self.allocator, self.openmp)} "
                      f"({self.samples_per_sec:.0f} samples/s; tuning took {self.seconds:.0f} s)")
         return "\n".join(lines)
@@ -237,7 +241,8 @@ def bytes_per_sample(model, sample_batch) -> float:
 def search(measure, cores: int, batch: int, allocators: list[str], openmps: list[str] = ("gnu",), top: int = 3,
            thread_counts=(1, 2, 4)) -> tuple[Calibration, list[dict[str, Any]], dict[Runtime, float]]:
     """Calibrate, predict every candidate, verify the best ``top``, then the runtimes at the winner:
-    each allocator, then each OpenMP runtime with the fastest allocator.
+    each allocator, then each OpenMP runtime with the fastest allocator, then the fastest runtime
+    (when it is not the default) at the runner-up.
 
     ``measure(workers, threads, batch, runtime) -> (samples/s, seconds per step)`` runs a short
     real fit. Returns the calibration, one row per candidate, and samples/s per runtime.
@@ -289,4 +294,24 @@ def search(measure, cores: int, batch: int, allocators: list[str], openmps: list
     for openmp in openmps:
         if openmp != default.openmp:
             by_runtime[Runtime(allocator, openmp)] = at_winner(Runtime(allocator, openmp))[0]
+    fastest = max(by_runtime, key=by_runtime.get)
+    runner_up = next((r for r in sorted(rows, key=lambda r: -(r["measured"] or 0)) if r is not best and r["measured"]),
+                     None)
+    if fastest != default and runner_up is not None:
+        # A runtime can favour other workers x threads (Intel's OpenMP, more threads): the runner-up
+        # runs with it too, and wins if it is faster.
+        rate = measure(runner_up["workers"], runner_up["threads"], batch, fastest)[0]
+        runner_up["with_runtime"] = {"runtime": str(fastest), "measured": rate}
     return cal, rows, by_runtime
+
+
+def winner(rows: list[dict[str, Any]], by_runtime: dict[Runtime, float]) -> tuple[int, int, Runtime, float]:
+    """What ``search`` found fastest: workers, threads, runtime and its samples/s."""
+    best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+    runtime = max(by_runtime, key=by_runtime.get)
+    choice = (best["workers"], best["threads"], runtime, by_runtime[runtime])
+    for r in rows:
+        other = r.get("with_runtime")
+        if other and other["measured"] > choice[3]:
+            choice = (r["workers"], r["threads"], runtime, other["measured"])
+    return choice

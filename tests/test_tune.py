@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import SmallConvNet, tiny_dataset
+import sn_trainer
 from sn_trainer import ConfigError, Trainer, tune
 from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps
 
@@ -65,10 +66,25 @@ def test_the_search_verifies_the_best_predictions_and_the_runtimes():
     assert (best["workers"], best["threads"]) == (2, 1)
     assert runtimes[Runtime("tcmalloc")] > runtimes[Runtime("jemalloc")] == pytest.approx(runtimes[Runtime()])
     # Intel's OpenMP is tried at the winner with the fastest allocator, and wins there.
-    assert calls[-1] == (2, 1, 128, Runtime("tcmalloc", "intel"))
+    assert calls[-2] == (2, 1, 128, Runtime("tcmalloc", "intel"))
     assert max(runtimes, key=runtimes.get) == Runtime("tcmalloc", "intel")
     assert set(runtimes) == {Runtime(), Runtime("jemalloc"), Runtime("tcmalloc"), Runtime("tcmalloc", "intel")}
-    assert len(calls) <= 8  # calibration reuses its runs: no candidate is measured twice
+    # tcmalloc with Intel's OpenMP then runs at the runner-up too (1 x 2 here), which stays slower.
+    assert calls[-1] == (1, 2, 128, Runtime("tcmalloc", "intel"))
+    assert tune.winner(rows, runtimes)[:3] == (2, 1, Runtime("tcmalloc", "intel"))
+    assert len(calls) <= 9  # calibration reuses its runs: no candidate is measured twice
+
+
+def test_a_runtime_that_favours_the_runner_up_moves_the_choice_there():
+    def measure(workers, threads, batch, runtime):  # Intel's OpenMP: a little faster at 2 x 1, twice at 1 x 2
+        seconds = 0.001 + 1e-4 * batch / workers / threads ** 0.5 + (0.0005 if workers > 1 else 0.0)
+        seconds /= (2.0 if threads > 1 else 1.05) if runtime.openmp == "intel" else 1.0
+        return batch / seconds, seconds
+
+    cal, rows, runtimes = tune.search(measure, cores=2, batch=128, allocators=["system"], openmps=["gnu", "intel"])
+    best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+    assert (best["workers"], best["threads"]) == (2, 1)  # with torch's own OpenMP
+    assert tune.winner(rows, runtimes)[:3] == (1, 2, Runtime(openmp="intel"))
 
 
 def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
@@ -136,6 +152,8 @@ def test_a_runtime_that_is_not_installed_is_refused_up_front(monkeypatch):
     monkeypatch.setattr(runtime, "_intel_openmp", lambda: None)
     with pytest.raises(ConfigError, match="openmp=intel: libiomp5 is not installed; install it"):
         Trainer(workers=1, openmp="intel")
+    with pytest.raises(ConfigError, match="no runtime allocator=system openmp=intl: .* the OpenMP runtimes gnu, intel"):
+        sn_trainer.warm_up(openmp="intl")
 
 
 class AllocatorProbe(torch.nn.Module):

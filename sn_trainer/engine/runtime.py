@@ -73,6 +73,11 @@ class Runtime:
     allocator: str = "system"
     openmp: str = "gnu"
 
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS or self.openmp not in OPENMPS:
+            raise ConfigError(f"no runtime allocator={self.allocator} openmp={self.openmp}: the allocators are "
+                              f"{', '.join(ALLOCATORS)}; the OpenMP runtimes {', '.join(OPENMPS)}")
+
     def libraries(self) -> list[str]:
         """What to preload, in order.
 
