@@ -501,20 +501,22 @@ def markdown(report: dict) -> str:
                      f"| {cell['ideal']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} | {r['sn_over_ideal']:.2f} "
                      f"| {r['ddp_over_ideal']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
                      f"({100 * r['sn_fraction_of_peak']:.0f}%) |")
-    lines.append("\nsn_trainer as it ships (channels_last=auto: on for conv nets without batch norm) against plain "
-                 "PyTorch as usually written (fp32, contiguous), same run:")
-    for r in report["rows"]:
-        if r["channels_last"] and r["sn_over_fp32_plain"] is not None:
-            lines.append(f"- {r['case']}: sn_trainer / fp32 contiguous plain PyTorch = {r['sn_over_fp32_plain']:.2f}")
-    lines.append("\nBatch norm over the global batch (`sync_batchnorm=true`) against per-worker statistics, same "
-                 "run, samples/s [min-max]:\n\n| case | sn_trainer | sn_trainer, sync_batchnorm | ratio |\n"
-                 "|---|---:|---:|---:|")
-    for r in report["rows"]:
-        if r["sync_bn_over_sn"] is not None:
-            med, mm = r["median"], r["min_max"]
-            lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
-                         f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
-                         f"{r['sync_bn_over_sn']:.2f} |")
+    as_shipped = [r for r in report["rows"] if r["channels_last"] and r["sn_over_fp32_plain"] is not None]
+    if as_shipped:  # rows whose contiguous fp32 plain PyTorch ran too
+        lines.append("\nsn_trainer as it ships (channels_last=auto: on for conv nets without batch norm) against "
+                     "plain PyTorch as usually written (fp32, contiguous), same run:")
+    for r in as_shipped:
+        lines.append(f"- {r['case']}: sn_trainer / fp32 contiguous plain PyTorch = {r['sn_over_fp32_plain']:.2f}")
+    synced = [r for r in report["rows"] if r["sync_bn_over_sn"] is not None]
+    if synced:
+        lines.append("\nBatch norm over the global batch (`sync_batchnorm=true`) against per-worker statistics, "
+                     "same run, samples/s [min-max]:\n\n| case | sn_trainer | sn_trainer, sync_batchnorm | ratio |\n"
+                     "|---|---:|---:|---:|")
+    for r in synced:
+        med, mm = r["median"], r["min_max"]
+        lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
+                     f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
+                     f"{r['sync_bn_over_sn']:.2f} |")
     lines.append("\nEvery variant with its best launch, same run: plain PyTorch and DDP launched by PyTorch's "
                  "`python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel OpenMP, cores and threads "
                  "set by it), the ideal and sn_trainer with each allocator, with GNU's OpenMP and with Intel's "

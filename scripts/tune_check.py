@@ -110,7 +110,8 @@ def markdown(report: dict) -> str:
     lines += ["", "Every point (workers x threads allocator/OpenMP: samples/s, median):", ""]
     for c in report["cases"]:
         lines.append(f"- {c['model']} b{c['batch']}: " + "; ".join(
-            f"{p['workers']}x{p['threads']} {p['allocator']}/{p['openmp']} {p['samples_per_sec']:.0f}" for p in c["sweep"]))
+            f"{p['workers']}x{p['threads']} {p['allocator']}/{p['openmp']} {p['samples_per_sec']:.0f}"
+            for p in c["sweep"]))
     lines += ["", "The tuner's own tables:", ""]
     for c in report["cases"]:
         lines += [f"{c['model']} b{c['batch']}:", "```", c["tuned"]["table"], "```"]

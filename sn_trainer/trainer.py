@@ -159,8 +159,8 @@ class Trainer:
         return self.placement.workers
 
     def _place(self, tuned: dict[str, Any] | None = None) -> Placement:
-        """Workers, pinning, the reducer, precision and allocator this machine gives for the settings
-        (``tuned``: the cached choice for this model, where workers or the allocator are auto)."""
+        """Workers, pinning, the reducer, precision and runtime this machine gives for the settings
+        (``tuned``: the cached choice for this model, where workers, allocator or openmp are auto)."""
         cfg, nodes = self.config, self.cluster.nodes if self.cluster else 1
         threads = tuned["threads"] if tuned and cfg.workers == "auto" else cfg.threads
         workers = (tuned["workers"] if tuned else auto_workers(self.topology, threads)) if cfg.workers == "auto" \
@@ -221,7 +221,8 @@ class Trainer:
         A cost model is calibrated with a few short fits (one worker at two batch sizes, one per
         thread count, two workers), predicts every candidate, and the best ``top`` are measured
         with short real fits; then the runtimes at the winner: each of ``allocators``, then each
-        of ``openmps`` with the fastest allocator (default: those installed). The global batch
+        of ``openmps`` with the fastest allocator (default: those installed), then the fastest
+        runtime at the runner-up, when it is not the default. The global batch
         stays as set. Each measurement times at least ``steps`` steps and about ``window_s``
         seconds of them, after ``warmup``. The choice is cached for ``workers=auto`` (and
         ``allocator=auto``, ``openmp=auto``).

@@ -128,7 +128,8 @@ class TuneResult:
             lines.append(f"{r['workers']:7d} {r['threads']:7d} {r['per_worker_batch']:10.1f} {r['predicted']:10.0f} "
                          f"{measured}")
         if self.runtimes:
-            lines.append("runtimes at the best measured: " + ", ".join(f"{k} {v:.0f}" for k, v in self.runtimes.items()))
+            lines.append("runtimes at the best measured: "
+                         + ", ".join(f"{k} {v:.0f}" for k, v in self.runtimes.items()))
         for r in self.rows:
             if r.get("with_runtime"):
                 lines.append(f"the runner-up, {r['workers']} x {r['threads']}, with {r['with_runtime']['runtime']}: "
