@@ -10,6 +10,7 @@ import copy
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from .engine import runtime
 from .errors import ConfigError
 
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
@@ -17,8 +18,8 @@ COMMS = ("auto", "shm", "gloo")
 PRECISIONS = ("fp32", "bf16")
 SHARDS = ("auto", "elements", "tensors")
 START_METHODS = ("forkserver", "spawn")
-ALLOCATORS = ("system", "jemalloc", "tcmalloc", "auto")
-OPENMPS = ("gnu", "intel", "auto")
+ALLOCATORS = (*runtime.ALLOCATORS, "auto")  # auto: what tuning measured fastest
+OPENMPS = (*runtime.OPENMPS, "auto")
 SCHEDULES = ("constant", "cosine", "step")
 LOGGERS = ("none", "tensorboard")
 

@@ -31,7 +31,7 @@ from .checkpoint import CheckpointDir
 from .config import TrainerConfig
 from .data.batching import check_sample, share_dataset
 from .data.sampler import slice_bounds, steps_per_epoch
-from .engine import forkserver, state
+from .engine import state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
@@ -142,11 +142,7 @@ class Trainer:
         self.topology = read_topology()
         self.placement = self._place()
         if "auto" not in (self.config.allocator, self.config.openmp):  # auto is known at fit: the server starts then
-            runtime = self.placement.runtime
-            if starts_warm(self.config.start_method, runtime) and forkserver.running_runtime() is None:
-                log.info("starting the warm workers' server: the first fit waits while it imports torch; call "
-                         "sn_trainer.warm_up() before importing torch to overlap that with the script's own import")
-            warm_up(self.config.start_method, runtime)  # it imports torch while this process goes on
+            warm_up(self.config.start_method, self.placement.runtime)  # it imports torch while this process goes on
         # Shared with the workers for all of this Trainer's runs: a stop request outlives restarts.
         self._stop = StopFlags.allocate()
 
@@ -255,7 +251,7 @@ class Trainer:
         workers, threads, runtime, rate = tune.winner(rows, by_runtime)
         result = tune.TuneResult(workers, threads, runtime.allocator, rate, rows, calibration,
                                  time.monotonic() - started, openmp=runtime.openmp,
-                                 runtimes={str(r): rate for r, rate in by_runtime.items()})
+                                 runtimes={str(r): speed for r, speed in by_runtime.items()})
         if cache:
             path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)
             log.info("tune: cached in %s for workers=auto", path)

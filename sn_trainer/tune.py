@@ -11,8 +11,9 @@ workers of T threads each, on a global batch B:
 of one worker; ``alpha`` is what does not shrink with the batch: the knee of the paper's figures
 comes from it), ``sync(W)`` the reduction and barriers (timed with 2 workers, and 4 where there
 are cores for it; each doubling of W adds the same time: the slowest of more workers is waited
-for, and barriers poll more peers), and ``slow`` what sharing costs: cores shared when W x T exceeds them, and memory bandwidth when
-the workers together stream more than the machine gives (for predictions of other machines).
+for, and barriers poll more peers), and ``slow`` what sharing costs: cores shared when W x T
+exceeds them, and memory bandwidth when the workers together stream more than the machine gives
+(for predictions of other machines).
 """
 from __future__ import annotations
 
@@ -285,7 +286,7 @@ def search(measure, cores: int, batch: int, allocators: list[str], openmps: list
             measured[key] = measure(key[0], key[1], batch, default)[0]
     for r in rows:
         r["measured"] = measured.get((r["workers"], r["threads"]))
-    best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+    best, runner_up = (_by_measured_speed(rows) + [None])[:2]
     at_winner = functools.partial(measure, best["workers"], best["threads"], batch)
     by_runtime = {default: best["measured"]}
     for allocator in allocators:
@@ -296,8 +297,6 @@ def search(measure, cores: int, batch: int, allocators: list[str], openmps: list
         if openmp != default.openmp:
             by_runtime[Runtime(allocator, openmp)] = at_winner(Runtime(allocator, openmp))[0]
     fastest = max(by_runtime, key=by_runtime.get)
-    runner_up = next((r for r in sorted(rows, key=lambda r: -(r["measured"] or 0)) if r is not best and r["measured"]),
-                     None)
     if fastest != default and runner_up is not None:
         # A runtime can favour other workers x threads (Intel's OpenMP, more threads): the runner-up
         # runs with it too, and wins if it is faster.
@@ -308,7 +307,7 @@ def search(measure, cores: int, batch: int, allocators: list[str], openmps: list
 
 def winner(rows: list[dict[str, Any]], by_runtime: dict[Runtime, float]) -> tuple[int, int, Runtime, float]:
     """What ``search`` found fastest: workers, threads, runtime and its samples/s."""
-    best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
+    best = _by_measured_speed(rows)[0]
     runtime = max(by_runtime, key=by_runtime.get)
     choice = (best["workers"], best["threads"], runtime, by_runtime[runtime])
     for r in rows:
@@ -316,3 +315,8 @@ def winner(rows: list[dict[str, Any]], by_runtime: dict[Runtime, float]) -> tupl
         if other and other["measured"] > choice[3]:
             choice = (r["workers"], r["threads"], runtime, other["measured"])
     return choice
+
+
+def _by_measured_speed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates that were measured, fastest first."""
+    return sorted((r for r in rows if r["measured"]), key=lambda r: -r["measured"])

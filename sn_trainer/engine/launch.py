@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
 import os
 import select
 import signal
@@ -29,6 +30,8 @@ from ..errors import WorkerFailed
 from . import forkserver
 from .runtime import Runtime
 from .signals import StopFlags, stop_on_signals
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -113,6 +116,9 @@ def warm_up(start_method: str = "forkserver", runtime: Runtime = Runtime()) -> N
     """Start the fork server now (if it is not running), so that it imports torch while this
     process does other work. It runs with ``runtime`` for good: the first call decides."""
     if starts_warm(start_method, runtime):
+        if forkserver.running_runtime() is None:  # started late: sn_trainer.warm_up() would have done it early
+            log.info("starting the warm workers' server: the first fit waits while it imports torch; call "
+                     "sn_trainer.warm_up() before importing torch to overlap that with the script's own import")
         forkserver.start(runtime)
 
 
