@@ -12,25 +12,30 @@ from __future__ import annotations
 import copy
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import loss_probe
 from .data.batching import fetch_batch, in_layout
 from .engine.layout import trainable_parameters
-from .engine.objective import Objective, Precision
+from .engine.objective import MEAN, Objective, Precision
 from .engine.state import group_params
 from .errors import UserCodeError
 from .optim import Groups
+
+PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
 
 
 @dataclass(frozen=True)
 class Rehearsal:
     optimizer_class: type | None  # what the factory builds; None without an optimizer
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
+    loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how the loss splits over samples
+    optimizer_state_keys: tuple[str, ...] = ()  # what the optimizer keeps per parameter after a step
 
 
 @dataclass
@@ -47,12 +52,15 @@ class Script:
     groups: Groups
     precision: str
     channels_last: bool
+    probe_group: Any = None  # a few samples spread over the data, together, and one by one
+    probe_singles: list[Any] = field(default_factory=list)
 
 
 def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
            eval_samples: int, objective: Objective, optimizer, groups: Groups, precision: str,
            channels_last: bool) -> Script:
-    """Read one training slice of ``train_samples`` and one evaluation slice of ``eval_samples``.
+    """Read one training slice of ``train_samples``, one evaluation slice of ``eval_samples``, and
+    the samples the loss's form is measured on.
 
     Raises:
         UserCodeError: a dataset failed to give them.
@@ -61,26 +69,29 @@ def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval
         if train_set is not None else None
     evaluation = _attempt("reading an evaluation batch", lambda: fetch_batch(eval_set, torch.arange(eval_samples))) \
         if eval_set is not None else None
+    data = train_set if train_set is not None else eval_set
+    picked = torch.linspace(0, len(data) - 1, min(PROBE_SAMPLES, len(data))).round().long().unique()
+    group = _attempt("reading samples", lambda: fetch_batch(data, picked))
+    singles = _attempt("reading samples", lambda: [fetch_batch(data, picked[i : i + 1]) for i in range(len(picked))])
     return Script(model, train, train_samples, evaluation, eval_samples, objective, optimizer, groups, precision,
-                  channels_last)
+                  channels_last, group, singles)
 
 
 def rehearse(s: Script) -> Rehearsal:
-    """Forward, loss, backward and an optimizer step on the training slice, then evaluation of the
-    other, on a copy of the model.
+    """Forward, loss, backward and an optimizer step on the training slice, the loss's form
+    (``loss_probe``), then evaluation of the other slice, on copies of the model.
 
     Raises:
         UserCodeError: any of them raised; the message carries the user's traceback.
     """
-    replica = copy.deepcopy(s.model)
+    replica = copy.deepcopy(s.model)  # in the modes the user left its modules in
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
     how = Precision(s.precision)
 
-    optimizer_class = None
+    optimizer_class, state_keys = None, ()
     if s.train_batch is not None:
         batch = in_layout(s.train_batch, s.channels_last)
-        replica.train()
         loss_sum, _ = _attempt(f"the training step (on a first slice of {s.train_samples} samples)",
                                lambda: s.objective.train_terms(replica, batch, s.train_samples, how, dtype))
         _attempt("the backward pass", loss_sum.backward)
@@ -90,6 +101,14 @@ def rehearse(s: Script) -> Rehearsal:
             optimizer_class = type(built)
             if not _needs_closure(optimizer_class):
                 _attempt("the optimizer's step", built.step)
+                state_keys = tuple(sorted({str(k) for held in built.state.values() for k in held}))
+    finding = loss_probe.Finding(MEAN)
+    if s.probe_group is not None:
+        finding = _attempt("measuring how the loss splits over samples (eval mode, one sample at a time)",
+                           lambda: loss_probe.measure(s.objective, copy.deepcopy(s.model),
+                                                      in_layout(s.probe_group, s.channels_last),
+                                                      [in_layout(b, s.channels_last) for b in s.probe_singles]))
+    s.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, s.channels_last)
@@ -97,7 +116,7 @@ def rehearse(s: Script) -> Rehearsal:
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
-    return Rehearsal(optimizer_class, eval_keys)
+    return Rehearsal(optimizer_class, eval_keys, finding, state_keys)
 
 
 def rehearse_in_worker(s: Script, send) -> dict[str, Any]:

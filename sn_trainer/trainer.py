@@ -38,7 +38,7 @@ from .engine.cluster import Cluster
 from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, trainable_parameters
-from .engine.objective import Objective
+from .engine.objective import MEAN, Objective
 from .engine.plan import Placement, Plan
 from .engine.runtime import Runtime, available_allocators, available_openmps
 from .engine.shared import SharedParams
@@ -316,9 +316,9 @@ class Trainer:
         cfg = self.config
         placement = self.placement = self._place_for(model)
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(train_set, "train_set", objective.pairs)
+        check_sample(train_set, "train_set", objective.accepts)
         if eval_set is not None:
-            check_sample(eval_set, "eval_set", objective.pairs)
+            check_sample(eval_set, "eval_set", objective.accepts)
         per_epoch, total_steps = self.steps(len(train_set))
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
@@ -339,6 +339,7 @@ class Trainer:
             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, optimizer, groups,
             placement.precision, channels_last))
         objective.eval_keys = rehearsal.eval_keys
+        objective.form = _loss_form(rehearsal.loss, objective, splits=placement.global_workers * cfg.accumulate > 1)
         kind = shard_kind(rehearsal.optimizer_class, cfg.shards)
         self._check_combinations(kind, len(train_set))
         layout = FlatLayout(model, placement.workers, channels_last, kind)
@@ -378,7 +379,8 @@ class Trainer:
                             drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
                             total_steps=total_steps, start_step=resume["step"] if resume else 0,
                             clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan, channels_last=channels_last,
-                            shards=kind, sync_batchnorm=cfg.sync_batchnorm, log_every=cfg.log_every,
+                            shards=kind, sync_batchnorm=cfg.sync_batchnorm, loss_form=objective.form,
+                            log_every=cfg.log_every,
                             eval_batch_size=cfg.eval_batch_size, evaluate_each_epoch=eval_set is not None,
                             measure_after=cfg.measure_after, checkpointing=directory is not None,
                             checkpoint_every_steps=cfg.checkpoint_every_steps,
@@ -499,7 +501,7 @@ class Trainer:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
         cfg, placement = self.config, self.placement
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(dataset, "dataset", objective.pairs)
+        check_sample(dataset, "dataset", objective.accepts)
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
                           (dataset, "dataset")):
             _check_sendable(obj, what)
@@ -508,6 +510,7 @@ class Trainer:
                                                     objective, None, Groups(None, ()), placement.precision,
                                                     channels_last))
         objective.eval_keys = rehearsal.eval_keys
+        objective.form = rehearsal.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
         layout = FlatLayout(model, placement.workers, channels_last)
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=1, seed=cfg.seed, drop_last=True,
                     dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
@@ -590,6 +593,25 @@ def _objective(loss_fn, step_fn, metric_fn) -> Objective:
     if loss_fn is not None and step_fn is not None:
         raise ConfigError("give loss_fn or step_fn, not both: step_fn computes the loss itself")
     return Objective(loss_fn, step_fn, metric_fn)
+
+
+def _loss_form(finding, objective: Objective, splits: bool) -> str:
+    """The form a scalar loss is split by; a loss with no exact split is refused where it splits.
+
+    Raises:
+        ConfigError: the loss cannot be split exactly, and the run splits it (workers or accumulate).
+    """
+    if finding.form is not None:
+        return finding.form
+    if not splits:
+        return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
+    raise ConfigError(
+        f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}; its "
+        "denominator depends on the data (kept tokens, masks, class weights) or it is random. Return (loss_sum, "
+        "count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss divides by, "
+        "e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), (targets != -100).sum()), "
+        "or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model that takes num_items_in_batch "
+        "needs no step_fn)")
 
 
 def _check_same_run(saved: dict[str, Any], path, facts: dict[str, Any], run_config: dict[str, Any] | None,

@@ -1,6 +1,7 @@
 """Small models, datasets and a reference loop shared by the tests (importable by spawned workers)."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -8,10 +9,7 @@ import time
 import psutil
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
-
-from sn_trainer.data.batching import fetch_batch
-from sn_trainer.data.sampler import GlobalBatches
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 class SmallConvNet(nn.Module):
@@ -26,23 +24,45 @@ class SmallConvNet(nn.Module):
         return self.fc(torch.relu(self.conv(x)).flatten(1))
 
 
-def tiny_dataset(n: int = 84, seed: int = 1) -> TensorDataset:
+def tiny_dataset(n: int = 84, seed: int = 1, dtype: torch.dtype = torch.float32) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g).to(dtype), torch.randint(0, 3, (n,), generator=g))
 
 
-def reference_fit(model, dataset, batch_size, steps, seed, optimizer, scheduler=None, clip=None):
-    """Plain single-process PyTorch over the same global batches the workers split."""
-    batches = GlobalBatches(len(dataset), batch_size, 1, seed)
-    opt = optimizer(model.parameters())
+# The reference loops below share no code with sn_trainer: they draw their global batches with
+# torch's own DataLoader, from the order sn_trainer documents (a permutation per epoch, seeded
+# with seed * 1_000_003 + epoch), and compute the loss themselves.
+
+def plain_loader(dataset, batch_size: int, seed: int, epoch: int, drop_last: bool = True) -> DataLoader:
+    """One epoch of global batches, as a plain DataLoader with a seeded RandomSampler draws them."""
+    sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+
+
+def plain_batches(dataset, batch_size: int, seed: int, drop_last: bool = True):
+    """Global batches one after another, epoch after epoch."""
+    for epoch in itertools.count():
+        yield from plain_loader(dataset, batch_size, seed, epoch, drop_last)
+
+
+def plain_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The sample indices of global batch ``step`` of the first epoch."""
+    sampler = RandomSampler(range(n), generator=torch.Generator().manual_seed(seed * 1_000_003))
+    return torch.tensor(list(sampler)[step * batch_size : (step + 1) * batch_size])
+
+
+def plain_fit(model, dataset, batch_size, steps, seed, optimizer, loss, scheduler=None, drop_last=True, clip=None):
+    """Plain PyTorch, written as its users write it, over the same global batches.
+
+    ``optimizer(model)`` builds the optimizer (groups and all); ``loss(model, batch)`` is the
+    batch's loss. Gradients are set to None between steps, as ``zero_grad()`` does; the
+    modules stay in the modes they were given in.
+    """
+    opt = optimizer(model)
     sched = scheduler(opt) if scheduler else None
-    inputs, targets = dataset.tensors
-    loss_fn = nn.CrossEntropyLoss()
-    for step in range(steps):
-        epoch, in_epoch = divmod(step, batches.steps_per_epoch)
-        idx = batches.indices(epoch, in_epoch, 0)
+    for _, batch in zip(range(steps), plain_batches(dataset, batch_size, seed, drop_last)):
         opt.zero_grad()
-        loss_fn(model(inputs[idx]), targets[idx]).backward()
+        loss(model, batch).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -51,34 +71,37 @@ def reference_fit(model, dataset, batch_size, steps, seed, optimizer, scheduler=
     return model
 
 
-def plain_fit(model, dataset, batch_size, steps, seed, optimizer, loss, scheduler=None, drop_last=True):
-    """Plain PyTorch, written as its users write it, over the global batches sn_trainer splits.
-
-    ``optimizer(model)`` builds the optimizer (groups and all); ``loss(model, batch)`` is the
-    batch's loss. Gradients are set to None between steps, as ``zero_grad()`` does.
-    """
-    batches = GlobalBatches(len(dataset), batch_size, 1, seed, drop_last)
-    opt = optimizer(model)
-    sched = scheduler(opt) if scheduler else None
-    model.train()
-    for step in range(steps):
-        epoch, in_epoch = divmod(step, batches.steps_per_epoch)
-        batch = fetch_batch(dataset, batches.indices(epoch, in_epoch, 0))
-        opt.zero_grad()
-        loss(model, batch).backward()
-        opt.step()
-        if sched:
-            sched.step()
-    return model
+def cross_entropy(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.cross_entropy(model(inputs), targets)
 
 
-def global_batches_of(n, batch_size, seed):
-    """The sample indices of each step (first epoch): ``of(step)``."""
-    batches = GlobalBatches(n, batch_size, 1, seed)
-    return lambda step: batches.indices(0, step, 0)
+def worker_slices(batch_size: int, workers: int) -> list[tuple[int, int]]:
+    """How sn_trainer documents a global batch's split: the first batch % workers take one more."""
+    base, extra = divmod(batch_size, workers)
+    bounds = [0]
+    for rank in range(workers):
+        bounds.append(bounds[-1] + base + (1 if rank < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# float64 equivalence: summation order moves results by ~1e-16 per operation, so a wrong count
+# or a lost term shows far above this, and no CPU's kernels come near it.
+EXACT = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def assert_exact(model, reference, **tolerance):
+    """Every parameter (and floating buffer) equal to the reference's in float64, to 1e-10."""
+    tolerance = tolerance or EXACT
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.dtype == torch.float64, f"{name} is {p.dtype}: exactness is tested in float64"
+        torch.testing.assert_close(p, q, **tolerance, msg=lambda m: f"{name}: {m}")
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, **tolerance, msg=lambda m: f"buffer {name}: {m}")
 
 
 def assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6):
+    """Two runs of sn_trainer (a resume, a restart) against each other, in float32."""
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 

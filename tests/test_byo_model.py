@@ -1,7 +1,8 @@
 """Bring your own model and loss: any batch, any forward, any loss denominator, against plain PyTorch.
 
 Every test trains the same model twice over the same global batches: once with sn_trainer's
-workers, once in an independent plain-PyTorch loop (``plain_fit``), and compares parameters.
+workers, once in an independent plain-PyTorch loop (``plain_fit``), and compares parameters in
+float64 (``assert_exact``: 1e-10 relative).
 """
 import copy
 import functools
@@ -12,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import SmallConvNet, TinyGPT, assert_same_parameters, global_batches_of, plain_fit, tiny_dataset, \
-    token_dataset
+from helpers import SmallConvNet, TinyGPT, assert_exact, plain_fit, plain_indices, tiny_dataset, token_dataset
 from sn_trainer import Trainer, UserCodeError
 
 pytestmark = pytest.mark.timeout(180)
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.05)
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
+F64 = torch.float64
 
 
 def gpt_step(model, batch):
@@ -47,7 +48,7 @@ def mean_of(step_fn):
 @pytest.mark.parametrize("workers, batch_size", [(1, 6), (2, 7), (3, 7)])
 def test_gpt_forward_with_targets_and_tied_weights(workers, batch_size):
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().double()
     assert model.head.weight is model.wte.weight
     data = token_dataset()
     reference = plain_fit(copy.deepcopy(model), data, batch_size, steps=4, seed=2,
@@ -55,31 +56,31 @@ def test_gpt_forward_with_targets_and_tied_weights(workers, batch_size):
     result = Trainer(workers=workers, batch_size=batch_size, max_steps=4, seed=2).fit(
         model, data, optimizer=ADAMW, step_fn=gpt_step)
     assert model.head.weight is model.wte.weight  # still tied after the run
-    assert_same_parameters(model, reference)
+    assert_exact(model, reference)
     assert result.final_loss == pytest.approx(result.history[-1]["loss"])
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_token_sums_with_padding_divide_by_the_global_count(workers):
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().double()
     data = token_dataset(pad_fraction=0.5)
     reference = plain_fit(copy.deepcopy(model), data, 7, steps=4, seed=2, optimizer=lambda m: SGD(m.parameters()),
                           loss=mean_of(gpt_token_sums))
     Trainer(workers=workers, batch_size=7, max_steps=4, seed=2).fit(model, data, optimizer=SGD,
                                                                     step_fn=gpt_token_sums)
-    assert_same_parameters(model, reference)
+    assert_exact(model, reference)
 
 
 def weighted_ignoring_dataset(batch_size: int, seed: int) -> TensorDataset:
     """Targets with a class weight per class, a third ignored (-1), and in step 1 the first half of
     the batch ignored: worker 0's whole slice for 2 or 3 workers, whose count is then 0 while the
     global batch's is not."""
-    data = tiny_dataset(n=84)
+    data = tiny_dataset(n=84, dtype=torch.float64)
     targets = data.tensors[1].clone()
     g = torch.Generator().manual_seed(5)
     targets[torch.rand(len(targets), generator=g) < 0.33] = -1
-    step1 = global_batches_of(len(targets), batch_size, seed)(1)
+    step1 = plain_indices(len(targets), batch_size, seed, step=1)
     targets[step1[: batch_size // 2]] = -1
     targets[step1[batch_size // 2 :]] = torch.arange(batch_size - batch_size // 2) % 3
     return TensorDataset(data.tensors[0], targets)
@@ -88,20 +89,20 @@ def weighted_ignoring_dataset(batch_size: int, seed: int) -> TensorDataset:
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_cross_entropy_with_class_weights_and_ignore_index_is_exact(workers):
     torch.manual_seed(0)
-    model = SmallConvNet()
+    model = SmallConvNet().double()
     data = weighted_ignoring_dataset(8, seed=3)
-    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.5, 0.5]), ignore_index=-1)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.5, 0.5], dtype=F64), ignore_index=-1)
     reference = plain_fit(copy.deepcopy(model), data, 8, steps=5, seed=3, optimizer=lambda m: SGD(m.parameters()),
                           loss=lambda m, b: loss_fn(m(b[0]), b[1]))
     result = Trainer(workers=workers, batch_size=8, max_steps=5, seed=3).fit(model, data, optimizer=SGD,
                                                                              loss_fn=loss_fn)
     assert result.skipped_steps == 0  # worker 0's empty count at step 1 is no divergence
-    assert_same_parameters(model, reference)
+    assert_exact(model, reference)
     inputs, targets = data.tensors
     with torch.no_grad():
         expected = loss_fn(model(inputs), targets).item()
     metrics = Trainer(workers=workers, batch_size=8, eval_batch_size=5).evaluate(model, data, loss_fn=loss_fn)
-    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-12)
     kept = targets != -1
     accuracy = (model(inputs).argmax(1)[kept] == targets[kept]).sum().item() / kept.sum().item()
     assert metrics["eval_accuracy"] == pytest.approx(accuracy, abs=1e-9)
@@ -111,16 +112,16 @@ def test_a_sum_reduced_loss_trains_and_reports_the_global_sum_for_any_worker_cou
     losses = []
     for workers in (1, 2, 3):
         torch.manual_seed(0)
-        model = SmallConvNet()
+        model = SmallConvNet().double()
         loss_fn = nn.CrossEntropyLoss(reduction="sum")
-        reference = plain_fit(copy.deepcopy(model), tiny_dataset(), 7, steps=3, seed=3,
+        reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=3, seed=3,
                               optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.002),
                               loss=lambda m, b: loss_fn(m(b[0]), b[1]))
         result = Trainer(workers=workers, batch_size=7, max_steps=3, seed=3, log_every=1).fit(
-            model, tiny_dataset(), optimizer=functools.partial(torch.optim.SGD, lr=0.002), loss_fn=loss_fn)
-        assert_same_parameters(model, reference)
+            model, tiny_dataset(dtype=F64), optimizer=functools.partial(torch.optim.SGD, lr=0.002), loss_fn=loss_fn)
+        assert_exact(model, reference)
         losses.append([r["loss"] for r in result.history if "loss" in r])
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and losses[2] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12) and losses[2] == pytest.approx(losses[0], rel=1e-12)
     assert losses[0][0] > 3  # a sum over 7 samples, not a mean (ln 3 = 1.1 per sample)
 
 
@@ -165,18 +166,18 @@ def square_error_metric(model, batch):
 
 def test_tuple_outputs_with_a_step_function_and_custom_metrics():
     torch.manual_seed(0)
-    model = Outputs()
-    reference = plain_fit(copy.deepcopy(model), tiny_dataset(), 7, steps=3, seed=3,
+    model = Outputs().double()
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=3, seed=3,
                           optimizer=lambda m: SGD(m.parameters()), loss=two_headed_step)
     result = Trainer(workers=2, batch_size=7, max_steps=3, seed=3).fit(
-        model, tiny_dataset(), eval_set=tiny_dataset(n=29, seed=4), optimizer=SGD, step_fn=two_headed_step,
-        metric_fn=square_error_metric)
-    assert_same_parameters(model, reference)
-    inputs, targets = tiny_dataset(n=29, seed=4).tensors
+        model, tiny_dataset(dtype=F64), eval_set=tiny_dataset(n=29, seed=4, dtype=F64), optimizer=SGD,
+        step_fn=two_headed_step, metric_fn=square_error_metric)
+    assert_exact(model, reference)
+    inputs, targets = tiny_dataset(n=29, seed=4, dtype=F64).tensors
     with torch.no_grad():
         mu, _ = model(inputs)
         expected = ((mu - targets.float().unsqueeze(1)) ** 2).mean().item()
-    assert result.eval_metrics["eval_mse"] == pytest.approx(expected, rel=1e-6)
+    assert result.eval_metrics["eval_mse"] == pytest.approx(expected, rel=1e-12)
     far = ((mu - targets.float().unsqueeze(1)).abs() > 0.5).sum().item() / mu.numel()
     assert result.eval_metrics["eval_far"] == pytest.approx(far, abs=1e-12)  # (sum, count): sums over counts
     assert result.eval_accuracy is None  # no class scores here: no accuracy, and no crash

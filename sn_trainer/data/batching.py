@@ -5,7 +5,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError
@@ -44,27 +44,29 @@ def in_layout(batch: Any, channels_last: bool) -> Any:
                        if t.dim() == 4 and t.is_floating_point() else t)
 
 
-def check_sample(dataset: Dataset, name: str, pairs: bool) -> None:
-    """Refuse, up front, a dataset that is empty, unsized, or (for the default loss) not pairs.
+def check_sample(dataset: Dataset, name: str, accepts: Callable[[Any], str | None]) -> None:
+    """Refuse, up front, a dataset that is empty, unsized, not map-style, or whose items the loss
+    cannot take.
 
     Args:
-        pairs: items must be (input, target) pairs (no step_fn was given).
+        accepts: ``accepts(item)`` says why ``item`` cannot be a sample (None: it can).
     """
+    if isinstance(dataset, DataLoader):
+        raise ConfigError(f"{name} is a DataLoader; pass its dataset ({name}=loader.dataset) and the batch size as "
+                          "Trainer(batch_size=...): sn_trainer draws and splits every global batch itself")
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(f"{name} is an IterableDataset ({type(dataset).__name__}); sn_trainer reads samples by "
+                          "index: pass a map-style dataset (__len__ and __getitem__), e.g. "
+                          "TensorDataset or a list of samples read from the stream")
     try:
         size = len(dataset)
     except TypeError:
         raise ConfigError(f"{name} must be a map-style dataset with __len__ and __getitem__") from None
     if size == 0:
         raise ConfigError(f"{name} is empty")
-    if not pairs:
-        return
-    item = dataset[0]
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise ConfigError(
-            f"{name}[0] is {type(item).__name__}{f' of {len(item)} items' if isinstance(item, (tuple, list)) else ''}, "
-            "not an (input, target) pair; pass step_fn=... to train on any batch, or wrap the dataset so that "
-            "__getitem__ returns (input, target)"
-        )
+    why = accepts(dataset[0])
+    if why is not None:
+        raise ConfigError(f"{name}[0] {why}")
 
 
 def share_dataset(dataset: Dataset) -> None:

@@ -5,6 +5,11 @@ the targets an ``ignore_index`` keeps, the weight of their classes, the tokens a
 Each worker sees only its slice, so each reports ``(loss_sum, count)``; the step's gradient is
 the sum of every worker's ``loss_sum`` gradient divided by the sum of every ``count``, which is
 exactly what one process computes for the whole global batch, however it is split.
+
+A scalar loss hides its denominator. How it splits (its ``form``) is measured before any
+worker starts (``loss_probe``) and is one of: a per-sample mean, a sum over the samples, or a
+Hugging Face model's mean over kept tokens, which the model sums when it is called with
+``num_items_in_batch=1``; anything else is refused where the split would matter.
 """
 from __future__ import annotations
 
@@ -17,6 +22,20 @@ import torch.nn.functional as F
 from torch import nn
 
 Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or dict of them
+
+# How a loss splits over the samples of a batch.
+COUNTED = "counted"  # the user's code (or a counted cross-entropy) gives (loss_sum, count)
+MEAN = "mean"  # a per-sample mean: weighed by the slice's samples
+SUM = "sum"  # a sum over the samples: added up, divided by nothing
+# A Hugging Face model's mean over the labels it keeps (!= -100), all of them or those of
+# labels[..., 1:] (a causal LM predicts token t+1 at position t). The model sums them when
+# told num_items_in_batch=1; one that ignores it has its logits' cross-entropy summed instead.
+TOKENS, SHIFTED_TOKENS = "tokens", "shifted_tokens"
+TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS = "tokens_from_logits", "shifted_tokens_from_logits"
+TOKEN_FORMS = (TOKENS, SHIFTED_TOKENS, TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS)
+SHIFTED = (SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS)
+FORMS = (COUNTED, MEAN, SUM, *TOKEN_FORMS)
+IGNORED_LABEL = -100  # Hugging Face's label for "no target here"
 
 
 class Precision:
@@ -43,48 +62,96 @@ class Objective:
 
     Args:
         loss_fn: ``loss_fn(model(inputs), targets)`` for batches of ``(inputs, targets)``;
-            default cross-entropy. A loss with ``reduction="sum"`` trains on the global batch's
-            sum; ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` count kept targets and class weights.
-        step_fn: ``step_fn(model, batch)`` returning the loss as a per-sample mean, or
-            ``(loss_sum, count)``; replaces loss_fn.
+            default cross-entropy. ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` themselves (not
+            subclasses) count kept targets and class weights; any other loss is a scalar whose
+            form is measured.
+        step_fn: ``step_fn(model, batch)`` returning the loss, or ``(loss_sum, count)``;
+            replaces loss_fn.
         metric_fn: ``metric_fn(model, batch)`` returning ``{name: value}`` (a per-sample mean)
             or ``{name: (sum, count)}``, evaluated in evaluation only.
+
+    Without loss_fn and step_fn, a batch that is a dict is the model's keyword arguments and
+    its output's ``loss`` is the loss (a Hugging Face model with ``labels`` in the batch).
     """
 
     def __init__(self, loss_fn: Callable | None = None, step_fn: Callable | None = None,
                  metric_fn: Callable | None = None):
         self.step_fn, self.metric_fn = step_fn, metric_fn
+        self.model_loss = loss_fn is None and step_fn is None  # dict batches: model(**batch).loss
         self.loss_fn = loss_fn if loss_fn is not None or step_fn is not None else nn.CrossEntropyLoss()
-        # A sum-reduced loss: the step trains on the global batch's sum, divided by nothing.
-        self.divides = step_fn is not None or getattr(self.loss_fn, "reduction", "mean") != "sum"
+        self.form = MEAN  # how a scalar loss splits: measured before workers start (preflight), equal in all
         self.eval_keys: tuple[str, ...] = ()  # fixed before workers start (preflight), equal in all
 
     @property
-    def pairs(self) -> bool:
-        """Whether batches must be (inputs, targets) pairs."""
-        return self.step_fn is None
+    def what(self) -> str:
+        """The user's code that gives the loss, as error messages name it."""
+        return "step_fn" if self.step_fn is not None else "model(**batch).loss" if self.model_loss else "loss_fn"
+
+    @property
+    def divides(self) -> bool:
+        """Whether the step's summed loss is divided by a count (all but a sum-reduced loss)."""
+        return self.form != SUM
+
+    def accepts(self, item: Any) -> str | None:
+        """Why a dataset item cannot be a sample of this objective's batches (None: it can)."""
+        if self.step_fn is not None or (isinstance(item, (tuple, list)) and len(item) == 2):
+            return None
+        if self.model_loss and isinstance(item, Mapping):
+            return None
+        what = f"{type(item).__name__}{f' of {len(item)} items' if isinstance(item, (tuple, list)) else ''}"
+        return (f"is {what}, not an (input, target) pair{' or a dict of model arguments' if self.model_loss else ''}; "
+                "pass step_fn=... to train on any batch, or wrap the dataset so that __getitem__ returns "
+                "(input, target)")
 
     def train_terms(self, model: nn.Module, batch: Batch, samples: int, precision: Precision,
                     dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         """``(loss_sum, count)`` of one slice of ``samples`` samples, ready for backward."""
+        return self.split(self.loss_value(model, batch, precision, dtype), batch, samples)
+
+    def loss_value(self, model: nn.Module, batch: Batch, precision: Precision, dtype: torch.dtype) -> Any:
+        """What the user's code gives for ``batch``: a scalar, ``(sum, count)``, or a counted
+        cross-entropy (a pair too); a model's mean over kept tokens, as the sum its form says."""
         if self.step_fn is not None:
-            return self._step_terms(model, batch, samples, precision)
+            with precision.autocast():
+                return self.step_fn(model, batch)
+        if self.model_loss and isinstance(batch, Mapping):
+            if self.form in (TOKENS, SHIFTED_TOKENS):
+                return output_loss(model_outputs(model, batch, precision, num_items=1), dtype)
+            outputs = model_outputs(model, batch, precision)
+            if self.form in (TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS):
+                return token_cross_entropy(outputs, batch["labels"], self.form in SHIFTED, "sum")
+            return output_loss(outputs, dtype)
         outputs, targets = self._forward(model, batch, precision, dtype)
-        return self._loss_terms(outputs, targets, samples)
+        counted = counted_cross_entropy(self.loss_fn, outputs, targets)
+        return counted if counted is not None else self.loss_fn(outputs, targets)
+
+    def split(self, value: Any, batch: Batch, samples: int) -> tuple[torch.Tensor, float]:
+        """A loss value as ``(loss_sum, count)``, by its form."""
+        if isinstance(value, (tuple, list)):
+            return terms(value, samples, self.what)
+        loss = _scalar(value, self.what)
+        if self.form == SUM:
+            return loss, float(samples)
+        if self.form in TOKEN_FORMS:
+            return loss, float(kept_labels(batch["labels"], self.form in SHIFTED))
+        return loss * samples, float(samples)
 
     @torch.no_grad()
     def eval_terms(self, model: nn.Module, batch: Batch, samples: int, precision: Precision,
                    dtype: torch.dtype) -> dict[str, tuple[float, float]]:
         """``{name: (sum, count)}`` of one slice: the loss, accuracy where it applies, user metrics."""
         out: dict[str, tuple[float, float]] = {}
-        if self.step_fn is not None:
-            loss_sum, count = self._step_terms(model, batch, samples, precision)
-        else:
+        counted_pairs = self.step_fn is None and not (self.model_loss and isinstance(batch, Mapping))
+        if counted_pairs:
             outputs, targets = self._forward(model, batch, precision, dtype)
-            loss_sum, count = self._loss_terms(outputs, targets, samples)
+            counted = counted_cross_entropy(self.loss_fn, outputs, targets)
+            loss_sum, count = self.split(counted if counted is not None else self.loss_fn(outputs, targets), batch,
+                                         samples)
             accuracy = self._accuracy(outputs, targets)
             if accuracy is not None:
                 out["accuracy"] = accuracy
+        else:
+            loss_sum, count = self.train_terms(model, batch, samples, precision, dtype)
         # A sum-reduced loss is reported per sample in evaluation: a sum over a whole set means little.
         out["loss"] = (float(loss_sum), float(count) if self.divides else float(samples))
         if self.metric_fn is not None:
@@ -98,11 +165,6 @@ class Objective:
                 out[str(name)] = (float(value_sum), float(value_count))
         return out
 
-    def _step_terms(self, model, batch, samples, precision):
-        with precision.autocast():
-            value = self.step_fn(model, batch)
-        return terms(value, samples, "step_fn")
-
     def _forward(self, model, batch, precision, dtype):
         if not (isinstance(batch, Sequence) and len(batch) == 2):
             raise TypeError("without step_fn, every batch must be an (inputs, targets) pair; "
@@ -115,13 +177,6 @@ class Objective:
                             "needs a tensor: pass step_fn=... to compute the loss from any outputs")
         return Precision.for_loss(outputs, dtype), targets
 
-    def _loss_terms(self, outputs, targets, samples):
-        counted = counted_cross_entropy(self.loss_fn, outputs, targets)
-        if counted is not None:
-            return counted
-        return terms(self.loss_fn(outputs, targets), samples, "loss_fn") if self.divides else \
-            (_scalar(self.loss_fn(outputs, targets), "loss_fn"), float(samples))
-
     def _accuracy(self, outputs, targets) -> tuple[float, float] | None:
         """Correct and counted predictions, where outputs are class scores for integer targets."""
         if not (isinstance(targets, torch.Tensor) and not targets.is_floating_point() and outputs.dim() >= 2
@@ -133,13 +188,52 @@ class Objective:
         return float(correct), float(kept.sum())
 
 
+def model_outputs(model: nn.Module, batch: Mapping, precision: Precision, num_items: int | None = None) -> Any:
+    """``model(**batch)``, as Hugging Face models are called; with ``num_items``, told
+    ``num_items_in_batch=num_items`` (such a model then divides its sum over kept tokens by it)."""
+    with precision.autocast():
+        return model(**batch) if num_items is None else model(**batch, num_items_in_batch=num_items)
+
+
+def _field(outputs: Any, name: str) -> Any:
+    return outputs.get(name) if isinstance(outputs, Mapping) else getattr(outputs, name, None)
+
+
+def output_loss(outputs: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The ``loss`` of a model's outputs (a Hugging Face ``ModelOutput``, a dict, an object)."""
+    loss = _field(outputs, "loss")
+    if loss is None:
+        raise TypeError(f"model(**batch) returned {type(outputs).__name__} without a loss; put the targets in the "
+                        "batch (labels=...), or pass step_fn=... (or loss_fn=...) to compute the loss")
+    return Precision.for_loss(loss, dtype)
+
+
+def token_cross_entropy(outputs: Any, labels: torch.Tensor, shifted: bool, reduction: str) -> torch.Tensor:
+    """Cross-entropy of a model's ``logits`` [..., T, V] against ``labels`` [..., T] (-100 kept
+    out), shifted by one for a causal LM, computed in the logits' dtype (at least float32)."""
+    logits = _field(outputs, "logits")
+    if logits is None:
+        raise TypeError("model(**batch) returned no logits")
+    if shifted:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORED_LABEL,
+                           reduction=reduction)
+
+
+def kept_labels(labels: torch.Tensor, shifted: bool) -> int:
+    """Labels a Hugging Face loss keeps: those not -100 (of ``labels[..., 1:]`` for a causal LM)."""
+    return int(((labels[..., 1:] if shifted else labels) != IGNORED_LABEL).sum())
+
+
 def counted_cross_entropy(loss_fn, outputs: torch.Tensor, targets) -> tuple[torch.Tensor, float] | None:
     """For mean cross-entropy / NLL over class indices: the loss summed, and what the mean divides by.
 
     PyTorch's mean divides by the summed class weights of the kept targets (their number
-    without weights), with or without label smoothing.
+    without weights), with or without label smoothing. Only for the classes themselves: a
+    subclass may compute something else in its own forward, which must run.
     """
-    if not (isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean"
+    if not (type(loss_fn) in (nn.CrossEntropyLoss, nn.NLLLoss) and loss_fn.reduction == "mean"
             and isinstance(targets, torch.Tensor) and not targets.is_floating_point()):
         return None
     kept = targets != loss_fn.ignore_index

@@ -76,7 +76,9 @@ def language_model_step(model: nn.Module, batch) -> torch.Tensor:
     """Next-token cross-entropy, the mean over every token of the slice."""
     tokens, targets = batch
     logits = model(tokens)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # bf16 logits (autocast) are raised to fp32 for the loss; float64 ones stay float64.
+    return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                           targets.flatten())
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
