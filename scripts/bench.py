@@ -300,9 +300,10 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
     data = data if data is not None else make_data(case)
     for t in data.tensors:
         t.share_memory_()
-    if variant == "plain":
+    if variant.startswith("plain"):  # plain_tcmalloc_intel: plain PyTorch with that allocator and OpenMP
         cpus = tuple(c.cpus[0] for c in topology.cores)
-        return spawn(plain_worker, 1, case, timing, cpus, data)[0]
+        with preloaded(runtime_of(variant)):
+            return spawn(plain_worker, 1, case, timing, cpus, data)[0]
     if variant == "ddp":
         with tempfile.TemporaryDirectory() as tmp:
             return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store", data)[0]
@@ -384,9 +385,10 @@ WITH_INTEL_OPENMP = [f"{a}_intel" for a in ("system", *ALLOCATED)] if "intel" in
 
 def variants_of(case: Case, runtimes: bool = False) -> tuple[str, ...]:
     extra = ("sn_sync",) if case.batch_norm else ()  # the cost of sync_batchnorm
-    if runtimes:  # every variant with its best launch: run_cpu for the peers, an allocator for the ideal and sn
+    if runtimes:  # every variant with its best launch: plain PyTorch, the ideal and sn_trainer with each
+        # allocator x OpenMP runtime alike, and run_cpu's own launch for plain PyTorch and DDP
         launches = (*ALLOCATED, *WITH_INTEL_OPENMP)
-        extra += ("plain_cpu", "ddp_cpu", *(f"ideal_{a}" for a in launches), *(f"sn_{a}" for a in launches))
+        extra += ("plain_cpu", "ddp_cpu", *(f"{variant}_{a}" for variant in ("plain", "ideal", "sn") for a in launches))
     return (*VARIANTS, *extra, "sn_1worker")
 
 
@@ -517,10 +519,10 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
                      f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
                      f"{r['sync_bn_over_sn']:.2f} |")
-    lines.append("\nEvery variant with its best launch, same run: plain PyTorch and DDP launched by PyTorch's "
-                 "`python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel OpenMP, cores and threads "
-                 "set by it), the ideal and sn_trainer with each allocator, with GNU's OpenMP and with Intel's "
-                 "(`_intel`); samples/s, the best launch named:\n\n"
+    lines.append("\nEvery variant with its best launch, same run: plain PyTorch, the ideal and sn_trainer each with "
+                 "every allocator, with GNU's OpenMP and with Intel's (`_intel`), plain PyTorch and DDP also "
+                 "launched by PyTorch's `python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel "
+                 "OpenMP, cores and threads set by it); samples/s, the best launch named:\n\n"
                  "| case | plain, best launch | DDP, run_cpu | ideal, best | sn_trainer, best (tuned runtime) "
                  "| sn / best plain | ideal / best plain |\n|---|---|---:|---|---|---:|---:|")
     for r in report["rows"]:

@@ -4,9 +4,11 @@ Each job trains LeNet on synthetic data with 2 workers, checkpointing every few 
 restarts and a worker timeout, as an operator would run it. At a random step one fault strikes:
 a worker SIGKILLed or SIGSTOPped, SIGTERM to the whole process group, SIGINT to the launcher,
 the newest checkpoint truncated, the checkpoint directory full (a small tmpfs), a worker that
-raises. The job is resumed (``resume=latest``) until it finishes; then its final parameters are
+raises. Whether it really struck is read from what the job said (its exit codes and log), not
+assumed. The job is resumed (``resume=latest``) until it finishes; then its final parameters are
 compared with an uninterrupted run's (bit-identical: the worker count is the same), and the
-script checks that no process, /dev/shm entry, temporary directory or open file is left over.
+script counts what the job left behind: processes, /dev/shm entries, temporary directories and
+half-written checkpoint files.
 
     python scripts/chaos.py --faults 50 [--seed 0] [--out results/chaos]
 """
@@ -162,8 +164,23 @@ def damage_newest(work: Path) -> None:
 def snapshot() -> dict:
     tmp = tempfile.gettempdir()
     return {"shm": set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
-            "tmp": {d for d in os.listdir(tmp) if d.startswith(("sn_trainer-", "pymp-"))},
-            "fds": len(os.listdir("/proc/self/fd"))}
+            "tmp": {d for d in os.listdir(tmp) if d.startswith(("sn_trainer-", "pymp-"))}}
+
+
+# What the job says when each fault struck it: a fault injected after the job finished, or one
+# its processes never met, did not fire.
+EVIDENCE = {"kill_worker": "killed by SIGKILL", "stop_worker": "made no progress for",
+            "worker_raises": "chaos: a worker raises", "truncate_checkpoint": "passing over a damaged checkpoint",
+            "full_disk": "cannot write the checkpoint"}
+
+
+def fired(kind: str, row: dict, work: Path) -> bool:
+    """Whether the fault struck the job, from its exit codes and its log."""
+    if kind == "term_group":
+        return 128 + signal.SIGTERM in row["exit_codes"]
+    if kind == "int_launcher":
+        return 128 + signal.SIGINT in row["exit_codes"]
+    return EVIDENCE[kind] in (work / "stderr").read_text()
 
 
 def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: dict) -> dict:
@@ -191,6 +208,7 @@ def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: 
             if kind == "full_disk":
                 (work / "ckpt" / "filler").unlink(missing_ok=True)
             proc = start(work, trigger, marker)  # the operator resumes: resume=latest
+        row["fired"] = fired(kind, row, work)
         row["finished"] = (work / "final.pt").exists()
         if row["finished"]:
             final = torch.load(work / "final.pt", weights_only=True)
@@ -203,7 +221,8 @@ def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: 
             subprocess.run(["umount", str(work / "ckpt")], check=False)
     after = snapshot()
     row["left"] = {"processes": len(marked(marker)), "shm": len(after["shm"] - before["shm"]),
-                   "tmp": len(after["tmp"] - before["tmp"]), "fds": after["fds"] - before["fds"]}
+                   "tmp": len(after["tmp"] - before["tmp"]),
+                   "partial_checkpoints": len(list((work / "ckpt").glob(".*.tmp-*")))}
     return row
 
 
@@ -243,8 +262,9 @@ def main() -> None:
             kind = rng.choice(kinds)
             row = run_fault(kind, index, rng, base, reference)
             rows.append(row)
-            print(f"{index + 1:3d} {kind:20s} at step {row['at_step']:2d}: exits {row['exit_codes']}, "
-                  f"finished {row['finished']}, equal {row['equal']}, left {row['left']}", flush=True)
+            print(f"{index + 1:3d} {kind:20s} at step {row['at_step']:2d}: fired {row['fired']}, exits "
+                  f"{row['exit_codes']}, finished {row['finished']}, equal {row['equal']}, left {row['left']}",
+                  flush=True)
     table = summarise(rows)
     if not args.out:
         print(table)
@@ -264,20 +284,21 @@ def summarise(rows: list[dict]) -> str:
     by = collections.defaultdict(list)
     for r in rows:
         by[r["fault"]].append(r)
-    lines = ["| fault | injected | jobs finished | equal to the uninterrupted run | attempts (mean) | exit codes seen "
-             "| processes, /dev/shm, temp dirs, fds left |", "|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| fault | injected | fired | jobs finished | equal to the uninterrupted run | attempts (mean) "
+             "| exit codes seen | processes, /dev/shm, temp dirs, partial checkpoints left |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
     for kind in FAULTS:
         group = by.get(kind, [])
         if not group:
             continue
         codes = sorted({c for r in group for c in r["exit_codes"]})
-        left = [sum(r["left"][k] for r in group) for k in ("processes", "shm", "tmp", "fds")]
-        lines.append(f"| {kind} | {len(group)} | {sum(r['finished'] for r in group)} | {sum(r['equal'] for r in group)} "
-                     f"| {sum(r['attempts'] for r in group) / len(group):.1f} | {', '.join(map(str, codes))} "
-                     f"| {', '.join(map(str, left))} |")
-    total_left = sum(max(0, v) for r in rows for v in r["left"].values())
-    lines.append(f"| **all** | {len(rows)} | {sum(r['finished'] for r in rows)} | {sum(r['equal'] for r in rows)} "
-                 f"| | | {total_left} in all |")
+        left = [sum(r["left"][k] for r in group) for k in ("processes", "shm", "tmp", "partial_checkpoints")]
+        lines.append(f"| {kind} | {len(group)} | {sum(r['fired'] for r in group)} | {sum(r['finished'] for r in group)} "
+                     f"| {sum(r['equal'] for r in group)} | {sum(r['attempts'] for r in group) / len(group):.1f} "
+                     f"| {', '.join(map(str, codes))} | {', '.join(map(str, left))} |")
+    total_left = sum(v for r in rows for v in r["left"].values())
+    lines.append(f"| **all** | {len(rows)} | {sum(r['fired'] for r in rows)} | {sum(r['finished'] for r in rows)} "
+                 f"| {sum(r['equal'] for r in rows)} | | | {total_left} in all |")
     return "\n".join(lines)
 
 

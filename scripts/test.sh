@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # The test suite, set-up included: bash scripts/test.sh
+# Then the equivalence tests again with ATen's portable kernels (default) and with AVX2's: every
+# CPU's kernels round differently, and the exactness tests must hold on all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+.venv/bin/python -m pytest -q tests "$@"
+EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py"
+for kernels in default avx2; do
+    echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels"
+    ATEN_CPU_CAPABILITY=$kernels .venv/bin/python -m pytest -q $EQUIVALENCE "$@"
+done

@@ -20,11 +20,13 @@ from torch import nn
 from .errors import CheckpointError, ConfigError
 
 FORMAT = "sn_trainer-checkpoint"
-VERSION = 2  # 2: optimizer state per parameter name, with groups; 1: one flat state, one group
+# 3: each worker's random state is torch's, numpy's and Python's streams; 2: torch's alone,
+# optimizer state per parameter name, with groups; 1: one flat optimizer state, one group
+VERSION = 3
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 
-def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[torch.Tensor],
+def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[Any],
           run: dict[str, Any], config: dict[str, Any] | None) -> dict[str, Any]:
     """The checkpoint's contents (``optimizer`` as ``engine.state.gather`` gives it)."""
     return {"format": FORMAT, "version": VERSION, "step": step, "model": model, "optimizer": optimizer, "rng": rng,
@@ -197,6 +199,23 @@ def check_model(checkpoint: dict[str, Any], model: nn.Module, path: str | os.Pat
         if tuple(mine[name].shape) != tuple(theirs[name].shape):
             raise CheckpointError(f"{path} was saved from another model: {name!r} has shape "
                                   f"{tuple(theirs[name].shape)} there, {tuple(mine[name].shape)} here")
+
+
+def check_optimizer(checkpoint: dict[str, Any], keys: tuple[str, ...], optimizer_name: str,
+                    path: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose optimizer kept other state than this run's optimizer keeps.
+
+    ``keys`` are what this run's optimizer holds per parameter after a step (the preflight's).
+
+    Raises:
+        CheckpointError: the saved state has other keys (it was written with another optimizer).
+    """
+    saved = checkpoint.get("optimizer") or {}
+    theirs = sorted({str(k) for held in (saved.get("state") or {}).values() for k in held})
+    if theirs and theirs != sorted(keys):
+        raise CheckpointError(f"{path} holds optimizer state {{{', '.join(theirs)}}}, and this run's "
+                              f"{optimizer_name} keeps {{{', '.join(sorted(keys))}}}: it was written with another "
+                              "optimizer; resume with that one, or start afresh without resume")
 
 
 def optimizer_state(checkpoint: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from .errors import ConfigError
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
 COMMS = ("auto", "shm", "gloo")
 PRECISIONS = ("fp32", "bf16")
-SHARDS = ("auto", "elements", "tensors")
+SHARDS = ("auto", "elements", "tensors", "full")
 START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = (*runtime.ALLOCATORS, "auto")  # auto: what tuning measured fastest
 OPENMPS = (*runtime.OPENMPS, "auto")
@@ -79,8 +79,10 @@ class TrainerConfig:
     channels_last: bool | str = option("auto", "NHWC layout for 4-d weights and inputs (oneDNN's preferred format); "
                                                "`auto`: on for conv nets without batch norm")
     shards: str = option("auto", "how the optimizer's work is split: `elements` (any slice; elementwise optimizers "
-                                 "such as SGD and Adam), `tensors` (whole tensors, for optimizers that look at a whole "
-                                 "tensor, such as Adafactor), or `auto` (by the optimizer's class)")
+                                 "such as SGD and Adam), `tensors` (whole tensors, for optimizers that look at one "
+                                 "tensor at a time, such as Adafactor), `full` (one worker steps the whole optimizer: "
+                                 "exact for any, such as Lamb), or `auto` (elements or tensors for the optimizers "
+                                 "tests prove so, else full)")
     sync_batchnorm: bool = option(False, "batch norm statistics over the global batch (exact), instead of each "
                                          "worker's slice (like DDP)")
     start_method: str = option("forkserver", "how workers start: `forkserver` (warm: forked from a server that "

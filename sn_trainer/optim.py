@@ -14,21 +14,29 @@ from .config import OptimConfig
 from .errors import ConfigError
 
 # Optimizers whose update of an element depends only on that element's gradient and state:
-# each worker may step any slice of the parameters and compute what one process would.
+# each worker may step any slice of the parameters and compute what one process would. Each is
+# proven so by a test against plain PyTorch (tests/test_byo_optimizer.py).
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
                torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
                torch.optim.Rprop)
+# Optimizers whose update of a tensor depends only on that whole tensor (factored moments, a
+# norm per tensor): each worker may step whole tensors. Proven by a test too.
+PER_TENSOR = (torch.optim.Adafactor,)
 # Refused: they need what a sharded step cannot give.
 REFUSED = {torch.optim.LBFGS: "it re-evaluates the loss through a closure, several times a step",
            torch.optim.SparseAdam: "it needs sparse gradients, and sn_trainer's gradients are dense"}
 
 
 def shard_kind(optimizer_class: type, asked: str) -> str:
-    """``elements`` or ``tensors`` for an optimizer class; ``asked`` is the shards setting.
+    """How an optimizer class's work is split; ``asked`` is the shards setting.
+
+    ``auto``: ``elements`` for the optimizers proven elementwise, ``tensors`` for those proven
+    to look at one tensor at a time, and ``full`` for any other (it may look across tensors, as
+    Lamb's or LARS's global norms do): one worker then steps the whole optimizer on the summed
+    gradient, exact for any optimizer.
 
     Raises:
-        ConfigError: an optimizer sn_trainer cannot run (LBFGS, SparseAdam), or elementwise
-            shards asked for an optimizer not known to be elementwise.
+        ConfigError: an optimizer sn_trainer cannot run (LBFGS, SparseAdam).
     """
     for refused, why in REFUSED.items():
         if issubclass(optimizer_class, refused):
@@ -37,7 +45,9 @@ def shard_kind(optimizer_class: type, asked: str) -> str:
     if asked != "auto":
         return asked
     # Exact classes only: a subclass may change what its step looks at.
-    return "elements" if optimizer_class in ELEMENTWISE else "tensors"
+    if optimizer_class in ELEMENTWISE:
+        return "elements"
+    return "tensors" if optimizer_class in PER_TENSOR else "full"
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,12 @@ def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_gr
     optimizer built from them (as nanoGPT's ``configure_optimizers`` does); then its class
     becomes the factory, unless one is given.
 
+    A frozen parameter of the model (``requires_grad=False``) in a group is left out, as
+    torch.optim never steps it (it never has a gradient).
+
     Raises:
-        ConfigError: a group holds something that is not a trainable parameter of the model,
-            or a parameter twice.
+        ConfigError: a group holds something that is not a parameter of the model, or a
+            parameter twice.
     """
     if param_groups is None:
         return Groups(None, (0,) * len(trainable))
@@ -71,13 +84,16 @@ def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_gr
         raise ConfigError("param_groups(model) must return groups as torch.optim takes them: a list of dicts, "
                           "each with 'params' and its options (or an optimizer built from them)")
     index = {id(p): i for i, p in enumerate(trainable)}
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
     slot_groups: list[int | None] = [None] * len(trainable)
     for g, group in enumerate(groups):
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         for p in params:
+            if id(p) in frozen:
+                continue
             if id(p) not in index:
                 raise ConfigError(f"param_groups: group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                  "trainable parameter of the model")
+                                  "parameter of the model")
             if slot_groups[index[id(p)]] is not None:
                 raise ConfigError(f"param_groups: a parameter of shape {tuple(p.shape)} is in groups "
                                   f"{slot_groups[index[id(p)]]} and {g}; put each parameter in one group")

@@ -41,7 +41,7 @@ from .engine.layout import FlatLayout, trainable_parameters
 from .engine.objective import MEAN, Objective
 from .engine.plan import Placement, Plan
 from .engine.runtime import Runtime, available_allocators, available_openmps
-from .engine.shared import SharedParams
+from .engine.shared import SharedParams, buffer_count
 from .engine.signals import StopFlags, graceful_stop
 from .engine.topology import auto_workers, plan_pinning, read_topology
 from .engine.worker import PHASES, Job, WorkerSpec, run_worker
@@ -316,9 +316,9 @@ class Trainer:
         cfg = self.config
         placement = self.placement = self._place_for(model)
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(train_set, "train_set", objective.accepts)
+        check_sample(train_set, "train_set", lambda item: objective.accepts(item, model))
         if eval_set is not None:
-            check_sample(eval_set, "eval_set", objective.accepts)
+            check_sample(eval_set, "eval_set", lambda item: objective.accepts(item, model))
         per_epoch, total_steps = self.steps(len(train_set))
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
@@ -326,6 +326,10 @@ class Trainer:
         trainable = [p for _, p in trainable_parameters(model)]
         if not trainable:
             raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
+        if not any(module.training for module in model.modules()):
+            log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
+                        "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
+                        "before fit to train with them")
         groups = resolve_groups(model, trainable, param_groups)
         optimizer = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
@@ -373,7 +377,7 @@ class Trainer:
 
         with graceful_stop(self._stop):
             while True:
-                resume = self._resume(resume_from, model, layout, groups, total_steps, facts, run_config) \
+                resume = self._resume(resume_from, model, layout, groups, total_steps, facts, run_config, rehearsal) \
                     if resume_from else None
                 plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
                             drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
@@ -450,9 +454,9 @@ class Trainer:
 
     def _check_combinations(self, kind: str, dataset_size: int) -> None:
         cfg, workers = self.config, self.placement.global_workers
-        if kind == "tensors" and self.placement.comm != "local" and cfg.reduce == "reduce_scatter":
-            raise ConfigError("reduce=reduce_scatter needs elementwise shards (equal slices), and this optimizer "
-                              "needs whole tensors; use reduce=all_reduce")
+        if kind != "elements" and self.placement.comm != "local" and cfg.reduce == "reduce_scatter":
+            raise ConfigError(f"reduce=reduce_scatter needs elementwise shards (equal slices), and this run's are "
+                              f"shards={kind}; use reduce=all_reduce")
         if cfg.sync_batchnorm and not cfg.drop_last:
             rest = dataset_size % (cfg.batch_size * cfg.accumulate) % cfg.batch_size
             if 0 < rest < workers:
@@ -471,13 +475,16 @@ class Trainer:
                                   "the same workers=... (set it explicitly rather than auto)")
 
     def _resume(self, target: Path, model: nn.Module, layout: FlatLayout, groups: Groups, total_steps: int,
-                facts: dict[str, Any], run_config: dict[str, Any] | None) -> dict[str, Any]:
+                facts: dict[str, Any], run_config: dict[str, Any] | None,
+                rehearsal: "preflight.Rehearsal") -> dict[str, Any]:
         """Load a checkpoint once, check it fits this run, and cut it into each worker's share."""
         path, saved, passed = checkpoint.load_resumable(target)
         for reason in passed:
             log.warning("passing over a damaged checkpoint: %s", reason)
         _check_same_run(saved, path, facts, run_config, self.config.resume_strict)
         checkpoint.check_model(saved, model, path)
+        if rehearsal.optimizer_class is not None:
+            checkpoint.check_optimizer(saved, rehearsal.optimizer_state_keys, rehearsal.optimizer_class.__name__, path)
         if saved["step"] >= total_steps:
             raise ConfigError(f"{path} is at step {saved['step']}, and this run has {total_steps} steps: nothing "
                               "left to train; raise epochs or max_steps to go on")
@@ -501,7 +508,7 @@ class Trainer:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
         cfg, placement = self.config, self.placement
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(dataset, "dataset", objective.accepts)
+        check_sample(dataset, "dataset", lambda item: objective.accepts(item, model))
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
                           (dataset, "dataset")):
             _check_sendable(obj, what)
@@ -550,12 +557,15 @@ class Trainer:
             heartbeats = Heartbeats.allocate(placement.workers)
             shm = None
             if placement.comm in ("shm", "auto"):
-                width = 2 * max_channels(model) + 1 if plan.sync_batchnorm else 8
+                # Wide enough for the widest small sum: batch norm's statistics, evaluation's sums
+                # (a sum and a count per metric, the samples, the failures); wider ones go in pieces.
+                width = max(2 * max_channels(model) + 1 if plan.sync_batchnorm else 0,
+                            2 * len(objective.eval_keys) + 2)
                 shm = ShmBuffers.allocate(placement.workers, layout.padded_numel, shared.flat.dtype, width)
             job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train_set=train_set, eval_set=eval_set,
                       objective=objective, optimizer=optimizer, group_options=groups.options,
                       slot_groups=groups.slot_groups, scheduler=scheduler,
-                      board=Board.allocate(placement.workers, len(layout.slots)), stop=self._stop,
+                      board=Board.allocate(placement.workers, len(layout.slots), buffer_count(model)), stop=self._stop,
                       heartbeats=heartbeats, shm=shm)
             specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
                                 resume=resume["ranks"][r] if resume else None, cluster=self.cluster)

@@ -49,8 +49,12 @@ def test_runtime_launches_are_named_and_run():
     assert bench.runtime_of("sn_jemalloc_intel") == Runtime("jemalloc", "intel")
     variants = bench.variants_of(bench.Case("lenet", 64, "fp32", True), runtimes=True)
     assert {"plain_cpu", "ddp_cpu", "ideal_tcmalloc_intel", "sn_tcmalloc_intel", "sn_system_intel"} <= set(variants)
+    launches = {v.split("_", 1)[1] for v in variants if v.startswith("sn_") and v not in ("sn_sync", "sn_1worker")}
+    for peer in ("plain", "ideal"):  # the same launches as sn_trainer's, each of them
+        assert {f"{peer}_{launch}" for launch in launches} <= set(variants)
     case = bench.Case("lenet", 8, "fp32", True)  # sn_trainer with a runtime: tests/test_tune.py
     assert bench.measure("ideal_tcmalloc_intel", case, 2, bench.Timing(warmup=1, steps=2), read_topology()) > 0
+    assert bench.measure("plain_tcmalloc_intel", case, 2, bench.Timing(warmup=1, steps=2), read_topology()) > 0
 
 
 def test_memory_counts_a_whole_process_tree():

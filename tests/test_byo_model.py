@@ -231,3 +231,30 @@ def test_evaluation_that_fails_after_training_keeps_the_result():
         FailsOnLargeEval(), tiny_dataset(), eval_set=tiny_dataset(n=13), optimizer=SGD)
     assert result.steps == 2 and result.eval_loss is None
     assert "a short last chunk breaks this model" in result.eval_error
+
+
+def two_metrics(model, batch):
+    inputs, targets = batch
+    logits = model(inputs)
+    return {"margin": (logits.max(1).values - logits.min(1).values).mean(),
+            "first_class": ((logits.argmax(1) == 0).sum(), len(targets))}
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_evaluation_with_more_metrics_than_the_scratch_block_holds(comm):
+    """Loss, accuracy and two metrics: ten sums through comm=shm's small-sum block (8 wide before)."""
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    evaluation = tiny_dataset(n=29, seed=4, dtype=F64)
+    result = Trainer(workers=2, batch_size=7, max_steps=2, seed=3, comm=comm, eval_batch_size=4).fit(
+        model, tiny_dataset(dtype=F64), eval_set=evaluation, optimizer=SGD, metric_fn=two_metrics)
+    inputs, targets = evaluation.tensors
+    with torch.no_grad():
+        logits = model(inputs)
+    assert result.comm == comm
+    assert result.eval_loss == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-12)
+    assert result.eval_accuracy == pytest.approx((logits.argmax(1) == targets).double().mean().item(), abs=1e-12)
+    margin = (logits.max(1).values - logits.min(1).values).mean().item()
+    assert result.eval_metrics["eval_margin"] == pytest.approx(margin, rel=1e-12)
+    first = (logits.argmax(1) == 0).double().mean().item()
+    assert result.eval_metrics["eval_first_class"] == pytest.approx(first, abs=1e-12)

@@ -14,6 +14,7 @@ from helpers import SmallConvNet, TinyGPT, assert_exact, assert_same_parameters,
 from sn_trainer import ConfigError, Trainer
 from sn_trainer.checkpoint import CheckpointDir
 from sn_trainer import checkpoint
+from sn_trainer.optim import ELEMENTWISE
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,6 +32,7 @@ def gpt_step(model, batch):
 
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
+SGD_PLAIN = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 F64 = torch.float64
 
 
@@ -175,3 +177,122 @@ def test_a_resume_with_groups_across_a_change_of_worker_count(tmp_path):
         path.unlink()  # keep step 2 only
     resumed = run(copy.deepcopy(start), 3, 6, resume="latest")
     assert_same_parameters(resumed, whole)
+
+
+@pytest.mark.parametrize("name", [cls.__name__ for cls in ELEMENTWISE])
+def test_every_optimizer_sharded_by_elements_is_proven_elementwise(name):
+    """sn_trainer gives these any slice of the parameters (shards=elements): each must step a slice
+    exactly as it steps the whole. W=3 with batch 7 cuts every tensor of SmallConvNet unevenly."""
+    optimizer = functools.partial(getattr(torch.optim, name), lr=0.01)
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
+                          optimizer=lambda m: optimizer(m.parameters()),
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    result = Trainer(workers=3, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64),
+                                                                       optimizer=optimizer)
+    assert result.plan["shards"] == "elements"
+    assert_exact(model, reference)
+
+
+class TwoTensors(nn.Module):
+    """Fewer tensors than workers: whole-tensor shards leave a worker with nothing to update."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+def test_a_worker_with_no_tensor_of_its_own_trains_along():
+    torch.manual_seed(0)
+    model = TwoTensors().double()
+    adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
+                          optimizer=lambda m: adafactor(m.parameters()),
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    result = Trainer(workers=3, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64),
+                                                                       optimizer=adafactor)
+    assert result.plan["shards"] == "tensors"
+    assert_exact(model, reference)
+
+
+def decay_with_the_frozen(model):
+    """Groups as a fine-tuning script writes them: over model.parameters(), frozen ones included."""
+    return [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_groups_holding_frozen_parameters_train_as_torch_optim_does(workers):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    model.conv.requires_grad_(False)
+    frozen = model.conv.weight.detach().clone()
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
+                          optimizer=lambda m: ADAMW(decay_with_the_frozen(m)),
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    Trainer(workers=workers, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64), optimizer=ADAMW,
+                                                                    param_groups=decay_with_the_frozen)
+    assert torch.equal(model.conv.weight, frozen)
+    assert_exact(model, reference)
+
+
+class StatelessBatchNormNet(nn.Module):
+    """Batch norm without running statistics: it normalises by the batch's own, in evaluation too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.norm = nn.BatchNorm2d(4, track_running_stats=False)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_sync_batchnorm_without_running_statistics_evaluates_uneven_slices(comm):
+    """13 evaluation samples, 2 workers, chunks of 2: worker 0 evaluates 4 chunks, worker 1 three.
+    Each chunk is normalised by its own statistics, as a plain evaluation loop does per batch."""
+    from helpers import worker_slices
+
+    torch.manual_seed(0)
+    model = StatelessBatchNormNet().double()
+    evaluation = tiny_dataset(n=13, seed=4, dtype=F64)
+    result = Trainer(workers=2, batch_size=8, max_steps=2, seed=3, sync_batchnorm=True, comm=comm,
+                     eval_batch_size=2).fit(model, tiny_dataset(dtype=F64), eval_set=evaluation, optimizer=SGD_PLAIN)
+    inputs, targets = evaluation.tensors
+    model.eval()
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(inputs[lo:hi]), targets[lo:hi], reduction="sum").item()
+                    for start, stop in worker_slices(13, 2) for lo in range(start, stop, 2)
+                    for hi in [min(lo + 2, stop)])
+    assert result.eval_loss == pytest.approx(total / 13, rel=1e-12)
+
+
+class BranchesPerWorker(nn.Module):
+    """Batch norm, and a layer only slices of an even size pass through: with batch 7 and two
+    workers, worker 0 (4 samples) uses it and worker 1 (3 samples) does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = BatchNormNet()
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x):
+        out = self.net(x)
+        return out + self.extra(out) if len(x) % 2 == 0 else out
+
+
+def test_gloo_buckets_sync_batchnorm_and_a_branch_one_worker_takes_agree_with_shm():
+    results = []
+    for comm in ("shm", "gloo"):
+        torch.manual_seed(0)
+        model = BranchesPerWorker().double()
+        Trainer(workers=2, batch_size=7, max_steps=3, seed=3, sync_batchnorm=True, comm=comm, bucket_kb=1).fit(
+            model, tiny_dataset(dtype=F64), optimizer=SGD_PLAIN)
+        results.append(model)
+    assert_exact(results[1], results[0])

@@ -139,3 +139,197 @@ def test_a_loss_whose_denominator_depends_on_the_data_is_refused():
     with pytest.raises(ConfigError, match=r"^loss_fn gives a scalar loss that cannot be split over workers exactly"):
         Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(), optimizer=SGD,
                                                           loss_fn=IgnoringCrossEntropy())
+
+
+# --- 3. a frozen backbone in eval mode stays in eval mode -------------------------------------------
+
+class FineTuned(nn.Module):
+    """A convolution + batch norm + dropout backbone under a linear head, as fine-tuning sets it up."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).flatten(1))
+
+
+def frozen_backbone() -> FineTuned:
+    torch.manual_seed(0)
+    model = FineTuned().double()
+    with torch.no_grad():  # statistics worth keeping: a few batches through it in training mode
+        for _ in range(3):
+            model.backbone(torch.randn(16, 1, 8, 8, dtype=F64) * 3 + 1)
+    model.backbone.requires_grad_(False)
+    model.backbone.eval()
+    return model
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_frozen_backbone_in_eval_mode_keeps_its_statistics_and_its_mode(workers):
+    model = frozen_backbone()
+    statistics = copy.deepcopy(model.backbone.state_dict())
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3, optimizer=sgd_of,
+                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    trainer = Trainer(workers=workers, batch_size=7, max_steps=4, seed=3)
+    trainer.fit(model, tiny_dataset(dtype=F64), eval_set=tiny_dataset(n=20, dtype=F64), optimizer=SGD)
+    assert_exact(model, reference)
+    for name, value in model.backbone.state_dict().items():
+        assert torch.equal(value, statistics[name]), name  # batch norm's running statistics untouched
+    trainer.evaluate(model, tiny_dataset(n=20, dtype=F64))
+    assert [m.training for m in model.modules()] == [True, False, False, False, False, False, True]
+
+
+def test_a_model_left_in_eval_mode_is_said(caplog):
+    model = SmallConvNet().eval()
+    Trainer(workers=1, batch_size=8, max_steps=1).fit(model, tiny_dataset(), optimizer=SGD)
+    assert "the model is in eval mode (every module): it trains so" in caplog.text
+
+
+# --- 4. an optimizer that looks across tensors gets the whole model -------------------------------
+
+def lamb(params):
+    from timm.optim import Lamb  # its step clips by the global norm of every parameter's gradient
+
+    return Lamb(params, lr=0.02, weight_decay=0.01, max_grad_norm=0.5)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_an_optimizer_that_looks_across_tensors_steps_whole(workers):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    start = copy.deepcopy(model)
+    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
+                          optimizer=lambda m: lamb(m.parameters()), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    result = Trainer(workers=workers, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64),
+                                                                             optimizer=lamb)
+    assert result.plan["shards"] == "full"  # not a class tests prove elementwise or per-tensor
+    assert_exact(model, reference)
+    if workers > 1:  # forced into whole-tensor shards, each worker clips by its own shard's norm: wrong
+        Trainer(workers=workers, batch_size=7, max_steps=4, seed=3, shards="tensors").fit(
+            start, tiny_dataset(dtype=F64), optimizer=lamb)
+        assert not torch.allclose(start.fc.weight, reference.fc.weight, rtol=1e-6)
+
+
+# --- 5. buffers that forward changes follow worker 0, as DDP's follow rank 0 ------------------------
+
+class RunningNormaliser(nn.Module):
+    """Inputs centred by a running mean that each training forward updates: a buffer, not batch norm.
+
+    ``replace``: the update rebinds the buffer (``self.mean = ...``) rather than writing in place.
+    """
+
+    def __init__(self, replace: bool):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(1, 1, 8, 8))
+        self.net = SmallConvNet()
+        self.replace = replace
+
+    def forward(self, x):
+        if self.training:
+            update = 0.7 * self.mean + 0.3 * x.detach().mean(0, keepdim=True)
+            if self.replace:
+                self.mean = update
+            else:
+                self.mean.copy_(update)
+        return self.net(x - self.mean)
+
+
+def like_ddp_fit(model, dataset, batch_size, workers, steps, seed, optimizer):
+    """DDP with broadcast_buffers, simulated in one process: each worker's forward starts from
+    rank 0's buffers, rank 0's forward updates them; the slices' gradients are summed and divided
+    by the global batch. The slices are cut as sn_trainer documents (the first batch % W take one
+    more)."""
+    from helpers import plain_batches, worker_slices
+
+    opt = optimizer(model)
+    for _, (inputs, targets) in zip(range(steps), plain_batches(dataset, batch_size, seed)):
+        before = {name: b.clone() for name, b in model.named_buffers()}
+        after = before
+        opt.zero_grad()
+        for rank, (lo, hi) in enumerate(worker_slices(len(inputs), workers)):
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(before[name])
+            loss_sum = F.cross_entropy(model(inputs[lo:hi]), targets[lo:hi], reduction="sum")
+            (loss_sum / len(inputs)).backward()
+            if rank == 0:
+                after = {name: b.clone() for name, b in model.named_buffers()}
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(after[name])
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["in-place", "replaced"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_buffers_changed_in_forward_follow_worker_0_like_ddp(workers, replace):
+    torch.manual_seed(0)
+    model = RunningNormaliser(replace).double()
+    reference = like_ddp_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, workers, steps=4, seed=3,
+                             optimizer=sgd_of)
+    Trainer(workers=workers, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64), optimizer=SGD)
+    assert_exact(model, reference)  # parameters, and the buffer worker 0 left
+    assert model.mean.abs().sum() > 0
+
+
+# --- 6. torch, numpy and random: a stream per worker, from (seed, rank) ---------------------------
+
+def augmenting_step(model, batch):
+    """Augmentation drawn from all three generators: a flip (numpy), a shift (random), noise (torch)."""
+    import random
+
+    import numpy as np
+
+    inputs, targets = batch
+    flip = torch.from_numpy(np.random.rand(len(inputs)) < 0.5)
+    inputs = torch.where(flip[:, None, None, None], inputs.flip(-1), inputs) + random.random()
+    inputs = inputs + 0.1 * torch.randn_like(inputs)
+    return F.cross_entropy(model(inputs), targets, reduction="sum"), len(inputs)
+
+
+def per_worker_streams_fit(model, dataset, batch_size, workers, steps, seed, optimizer):
+    """One process playing W workers: worker r's slice is augmented from streams seeded with
+    seed * 1000 + r (torch, numpy and random alike, as sn_trainer documents)."""
+    import random
+
+    import numpy as np
+
+    from helpers import plain_batches, worker_slices
+
+    def seeded(value):
+        torch.manual_seed(value)
+        np.random.seed(value)
+        random.seed(value)
+        return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+    streams = [seeded(seed * 1000 + rank) for rank in range(workers)]
+    opt = optimizer(model)
+    for _, (inputs, targets) in zip(range(steps), plain_batches(dataset, batch_size, seed)):
+        opt.zero_grad()
+        for rank, (lo, hi) in enumerate(worker_slices(len(inputs), workers)):
+            torch.set_rng_state(streams[rank][0])
+            np.random.set_state(streams[rank][1])
+            random.setstate(streams[rank][2])
+            loss_sum, _ = augmenting_step(model, (inputs[lo:hi], targets[lo:hi]))
+            (loss_sum / len(inputs)).backward()
+            streams[rank] = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_each_worker_augments_from_its_own_seeded_streams(workers):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    reference = per_worker_streams_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, workers, steps=4, seed=5,
+                                       optimizer=sgd_of)
+    again = copy.deepcopy(model)
+    Trainer(workers=workers, batch_size=7, max_steps=4, seed=5).fit(model, tiny_dataset(dtype=F64), optimizer=SGD,
+                                                                    step_fn=augmenting_step)
+    assert_exact(model, reference)
+    Trainer(workers=workers, batch_size=7, max_steps=4, seed=6).fit(again, tiny_dataset(dtype=F64), optimizer=SGD,
+                                                                    step_fn=augmenting_step)
+    assert not torch.allclose(again.fc.weight, model.fc.weight)  # another seed, other augmentation

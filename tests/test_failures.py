@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from helpers import Bomb, SmallConvNet, tiny_dataset
 from sn_trainer import ConfigError, Trainer, WorkerFailed
@@ -64,6 +64,16 @@ class DictDataset(Dataset):
         return {"x": torch.zeros(1, 8, 8), "y": 0}
 
 
+class Stream(IterableDataset):
+    """A sized stream: len() works, indexing does not."""
+
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        return iter(tiny_dataset(n=10))
+
+
 class ModelWithLambda(SmallConvNet):
     def __init__(self):
         super().__init__()
@@ -94,6 +104,12 @@ def test_bad_arguments_to_fit_are_refused_before_any_process_starts(no_leaks):
         trainer.fit(SmallConvNet(), tiny_dataset(n=5), optimizer=SGD)
     with pytest.raises(ConfigError, match="the optimizer factory cannot be sent"):
         trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ConfigError, match=r"^train_set is a DataLoader; pass its dataset \(train_set=loader.dataset\) "
+                                          r"and the batch size as Trainer\(batch_size=...\)"):
+        trainer.fit(SmallConvNet(), DataLoader(tiny_dataset(), batch_size=8), optimizer=SGD)
+    with pytest.raises(ConfigError, match=r"^train_set is an IterableDataset \(Stream\); sn_trainer reads samples by "
+                                          r"index: pass a map-style dataset"):
+        trainer.fit(SmallConvNet(), Stream(), optimizer=SGD)
 
 
 def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path):

@@ -43,7 +43,8 @@ def test_checkpoints_hold_everything_and_keep_the_last_k(tmp_path, no_leaks):
     directory = CheckpointDir(tmp_path / "ckpt")
     assert [s for s, _ in directory.steps()] == [10, 12]
     saved = checkpoint.load(directory.latest())
-    assert (saved["format"], saved["version"], saved["step"], len(saved["rng"])) == ("sn_trainer-checkpoint", 2, 12, 2)
+    assert (saved["format"], saved["version"], saved["step"], len(saved["rng"])) == ("sn_trainer-checkpoint", 3, 12, 2)
+    assert {tuple(sorted(r)) for r in saved["rng"]} == {("numpy", "random", "torch")}  # every worker's three streams
     state = saved["optimizer"]["state"]
     assert list(state) == [name for name, _ in model.named_parameters()]  # gathered from both shards, by name
     for name, p in model.named_parameters():

@@ -92,6 +92,41 @@ class Stalls(torch.nn.Module):
         return self.inner(x)
 
 
+class SlowToRead(torch.utils.data.Dataset):
+    """Worker ``rank`` takes ``delay_s`` to read its slice of step ``at_step`` (a slow disk): its
+    peers start that step's forward pass first."""
+
+    def __init__(self, data, at_step: int, rank: int, delay_s: float):
+        self.data, self.at_step, self.rank, self.delay_s, self.calls = data, at_step, rank, delay_s, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+    def get_batch(self, indices):
+        self.calls += 1
+        if self.calls == self.at_step and torch.initial_seed() % 1000 == self.rank:
+            time.sleep(self.delay_s)
+        return tuple(t[indices] for t in self.data.tensors)
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_a_stopped_worker_is_named_not_the_peers_waiting_in_batch_norm(comm, no_leaks):
+    """With sync_batchnorm, worker 0 waits inside its forward pass (batch norm's sums) for worker
+    1, which stopped in its own: worker 0 went quiet first, but waits; worker 1 is named."""
+    from test_byo_optimizer import BatchNormNet
+
+    model = Stalls(BatchNormNet(), at_call=4, rank=1)
+    data = SlowToRead(tiny_dataset(), at_step=4, rank=1, delay_s=2.0)
+    with pytest.raises(WorkerFailed) as caught:
+        Trainer(workers=2, batch_size=8, max_steps=100, comm=comm, sync_batchnorm=True, worker_timeout=5).fit(
+            model, data, optimizer=SGD)
+    message = str(caught.value)
+    assert message.startswith("worker 1 failed: made no progress for") and "phase forward" in message, message
+
+
 @pytest.mark.parametrize("comm", ["shm", "gloo"])
 def test_a_stopped_worker_ends_the_run_naming_it(comm, no_leaks):
     model = Stalls(SmallConvNet(), at_call=4, rank=1)
@@ -124,10 +159,23 @@ def lr_per_step(tmp_path, name, epochs, resume=None):
     return {r["step"]: r["lr"] for r in result.history if "lr" in r}
 
 
+def plain_lr_per_step(steps, t_max):
+    """The lr each optimizer step of a plain loop uses: read before optimizer.step(), then scheduler.step()."""
+    optimizer = SGD([torch.zeros(1, requires_grad=True)])
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max)
+    used = {}
+    for step in range(1, steps + 1):
+        used[step] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+    return used
+
+
 def test_a_resume_with_more_epochs_follows_the_longer_schedule(tmp_path):
     two_epochs = lr_per_step(tmp_path, "whole", 2)
     one_epoch = lr_per_step(tmp_path, "first", 1)
-    assert one_epoch[7] < 1e-9  # the one-epoch schedule ends at lr 0
+    assert one_epoch == pytest.approx(plain_lr_per_step(7, 7), rel=1e-12)  # the lr each step used, not the next's
+    assert two_epochs == pytest.approx(plain_lr_per_step(14, 14), rel=1e-12)
     resumed = lr_per_step(tmp_path, "second", 2, resume=str(tmp_path / "first"))
     assert sorted(resumed) == list(range(8, 15))
     for step, lr in resumed.items():
@@ -220,4 +268,39 @@ def test_chaos_script_runs_faults_and_finds_every_job_equal(tmp_path):
     proc = subprocess.run([sys.executable, script, "--faults", "2", "--kinds", "kill_worker,term_group", "--seed", "5",
                            "--out", str(tmp_path / "chaos")], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| **all** | 2 | 2 | 2 | | | 0 in all |" in (tmp_path / "chaos.md").read_text()
+    assert "| **all** | 2 | 2 | 2 | 2 | | | 0 in all |" in (tmp_path / "chaos.md").read_text()  # both fired
+
+
+class ReadsEnvironment(torch.nn.Module):
+    """Fails in a worker unless SN_TEST_SET_LATE is set and SN_TEST_UNSET_LATE is not."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if os.environ.get("SN_TEST_SET_LATE") != "yes" or "SN_TEST_UNSET_LATE" in os.environ:
+            raise RuntimeError(f"environment as the fork server saw it: {os.environ.get('SN_TEST_SET_LATE')!r}")
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_see_the_environment_as_it_is_when_fit_starts(start_method, monkeypatch):
+    """A script's os.environ[...] = ..., or Hydra's hydra.job.env_set, after the warm workers'
+    server started: forked workers must see it too, as spawned ones do."""
+    monkeypatch.setenv("SN_TEST_UNSET_LATE", "1")
+    Trainer(workers=1, batch_size=8, max_steps=1, start_method=start_method)  # the server starts here
+    monkeypatch.setenv("SN_TEST_SET_LATE", "yes")
+    monkeypatch.delenv("SN_TEST_UNSET_LATE")
+    Trainer(workers=2, batch_size=8, max_steps=2, start_method=start_method).fit(
+        ReadsEnvironment(SmallConvNet()), tiny_dataset(), optimizer=SGD)
+
+
+def test_a_resume_with_another_optimizer_is_refused_before_any_worker_starts(tmp_path, no_leaks):
+    settings = dict(workers=2, batch_size=8, seed=3, checkpoint_dir=str(tmp_path))
+    Trainer(max_steps=2, **settings).fit(SmallConvNet(), tiny_dataset(), optimizer=SGD)
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01)
+    with pytest.raises(CheckpointError, match=r"holds optimizer state \{momentum_buffer\}, and this run's AdamW "
+                                              r"keeps \{exp_avg, exp_avg_sq, step\}: it was written with another "
+                                              r"optimizer"):
+        Trainer(max_steps=4, resume="latest", **settings).fit(SmallConvNet(), tiny_dataset(), optimizer=adamw)

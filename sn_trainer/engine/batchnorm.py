@@ -3,7 +3,8 @@
 Each worker holds a slice of the global batch. In training mode a synchronised batch norm sums
 every worker's per-channel sum, sum of squares and count before normalising, and sums the two
 per-channel terms of its backward pass, so that activations, gradients and running statistics
-equal one process's with the whole batch. PyTorch's own SyncBatchNorm runs on GPUs only.
+equal one process's with the whole batch. In evaluation it synchronises nothing (running
+statistics, or each evaluation chunk's own). PyTorch's own SyncBatchNorm runs on GPUs only.
 """
 from __future__ import annotations
 
@@ -35,17 +36,19 @@ def max_channels(model: nn.Module) -> int:
 def _synchronised_forward(global_sum: Sum):
     def forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats:
+        if not self.training:
+            # Evaluation: by the running statistics, or (without them) by this chunk's own, as a
+            # plain evaluation loop normalises each of its batches. Workers evaluate different
+            # numbers of chunks, so nothing here may wait for the others.
             return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                                            False, 0.0, self.eps)
+                                            not self.track_running_stats, 0.0, self.eps)
         factor = 0.0
-        if self.training and self.track_running_stats:
+        if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
         weight = self.weight if self.weight is not None else torch.ones(x.shape[1], dtype=x.dtype)
         bias = self.bias if self.bias is not None else torch.zeros(x.shape[1], dtype=x.dtype)
-        running = (self.running_mean, self.running_var) if self.training and self.track_running_stats else None
+        running = (self.running_mean, self.running_var) if self.track_running_stats else None
         return _GlobalBatchNorm.apply(x, weight, bias, self.eps, factor, running, global_sum)
 
     return forward

@@ -1,9 +1,10 @@
 """What every worker publishes before a step's reduce, and what all of them read after it.
 
 Each worker writes its loss sum, the count its loss is divided by, the sum of its own gradient
-(non-finite if any element is) and which parameters its backward pass reached. The reduce that
-follows is a synchronisation in itself, so reading the board afterwards costs nothing more:
-the loss, the divisor, the finite check and the unused parameters travel with the gradients.
+(non-finite if any element is), which parameters its backward pass reached, and (worker 0) which
+buffers its forward passes changed. The reduce that follows is a synchronisation in itself, so
+reading the board afterwards costs nothing more: the loss, the divisor, the finite check, the
+unused parameters and the buffers to adopt travel with the gradients.
 """
 from __future__ import annotations
 
@@ -23,27 +24,31 @@ class StepTotals:
     count: float
     finite: bool
     unused: tuple[int, ...]  # layout slots no worker's backward pass reached
+    changed_buffers: tuple[int, ...] = ()  # buffers worker 0's step changed (ReplicaBuffers' order)
 
 
 class Board:
-    """A shared float64 block [2, workers, 3 + parameters], double-buffered by step parity.
+    """A shared float64 block [2, workers, 3 + parameters + buffers], double-buffered by step parity.
 
     A peer writes a parity again only after the next step's reduce, which waits for this
     worker's read, so every worker reads the same values.
     """
 
-    def __init__(self, block: torch.Tensor):
-        self.block = block
+    def __init__(self, block: torch.Tensor, parameters: int):
+        self.block, self.parameters = block, parameters
 
     @classmethod
-    def allocate(cls, workers: int, parameters: int) -> "Board":
-        return cls(torch.zeros(2, workers, _USED + parameters, dtype=torch.float64).share_memory_())
+    def allocate(cls, workers: int, parameters: int, buffers: int = 0) -> "Board":
+        return cls(torch.zeros(2, workers, _USED + parameters + buffers, dtype=torch.float64).share_memory_(),
+                   parameters)
 
     def publish(self, step: int, rank: int, loss_sum: float, count: float, grad_sum: float,
-                used: torch.Tensor) -> None:
+                used: torch.Tensor, changed: torch.Tensor | None = None) -> None:
         row = self.block[step % 2, rank]
         row[_LOSS], row[_COUNT], row[_GRAD] = loss_sum, count, grad_sum
-        row[_USED:] = used
+        row[_USED : _USED + self.parameters] = used
+        if changed is not None:
+            row[_USED + self.parameters :] = changed
 
     def totals(self, step: int) -> torch.Tensor:
         """This node's sums: loss, count, non-finite entries, then per-parameter use counts."""
@@ -52,8 +57,9 @@ class Board:
         out[_GRAD] = float((~torch.isfinite(published[:, :_USED])).sum())
         return out
 
-    @staticmethod
-    def read(totals: torch.Tensor) -> StepTotals:
+    def read(self, totals: torch.Tensor) -> StepTotals:
         loss_sum, count, non_finite = totals[:_USED].tolist()
-        unused = tuple(int(i) for i in torch.nonzero(totals[_USED:] == 0).flatten())
-        return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum), unused)
+        used, changed = totals[_USED : _USED + self.parameters], totals[_USED + self.parameters :]
+        return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum),
+                          tuple(int(i) for i in torch.nonzero(used == 0).flatten()),
+                          tuple(int(i) for i in torch.nonzero(changed > 0).flatten()))

@@ -132,8 +132,12 @@ class GlooReducer:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown reduce mode {mode!r}; choose all_reduce or reduce_scatter")
         store = dist.FileStore(store_path, world_size)
-        self.group = gloo_group(store, rank, world_size,
-                                dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"), timeout_s)
+        device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        self.group = gloo_group(store, rank, world_size, device, timeout_s)
+        # Small sums (losses, batch norm's statistics inside the backward pass) go through a group of
+        # their own: gloo pairs collectives by their order in a group, and the gradient buckets'
+        # order relative to batch norm's sums can differ between workers (a branch one takes).
+        self.sums = gloo_group(dist.PrefixStore("sums", store), rank, world_size, device, timeout_s)
         self.shard, self.mode = shard, mode
         self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
         if mode == "all_reduce":
@@ -190,7 +194,7 @@ class GlooReducer:
         return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.group.allreduce([tensor]).wait()
+        self.sums.allreduce([tensor]).wait()
         return tensor
 
     def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -200,6 +204,7 @@ class GlooReducer:
         self.group.barrier().wait()
 
     def close(self) -> None:
+        self.sums.shutdown()
         self.group.shutdown()
 
 
@@ -259,14 +264,19 @@ class ShmReducer:
         return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Calls alternate between two scratch slots: a peer can write this slot again only two
-        # calls later, after the next call's barrier, which waits for this worker's read.
-        n = tensor.numel()
-        slot = self._scratch[self._sums % 2]
-        self._sums += 1
-        slot[self.rank, :n] = tensor.reshape(-1)
-        self.barrier()
-        tensor.copy_(slot[:, :n].sum(dim=0).reshape(tensor.shape))
+        # A tensor wider than the scratch block goes in pieces. Pieces alternate between two
+        # scratch slots: a peer can write a slot again only two pieces later, after the next
+        # piece's barrier, which waits for this worker's read.
+        values = tensor.reshape(-1).clone()
+        width = self._scratch.shape[-1]
+        for start in range(0, values.numel(), width):
+            piece = values[start : start + width]
+            slot = self._scratch[self._sums % 2]
+            self._sums += 1
+            slot[self.rank, : piece.numel()] = piece
+            self.barrier()
+            piece.copy_(slot[:, : piece.numel()].sum(dim=0))
+        tensor.copy_(values.reshape(tensor.shape))
         return tensor
 
     def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -75,14 +76,29 @@ class Heartbeats:
         row = self._rows[rank]
         row[0], row[1], row[2] = step, PHASES.index(phase), time.monotonic()
 
+    @contextmanager
+    def waiting(self, rank: int):
+        """Inside a phase, a wait for the peers (batch norm's sums in a forward pass): marked
+        ``sync`` while it lasts, then back in the phase it interrupted."""
+        row = self._rows[rank]
+        phase = row[1]
+        row[1], row[2] = PHASES.index("sync"), time.monotonic()
+        try:
+            yield
+        finally:
+            row[1], row[2] = phase, time.monotonic()
+
     def stalled(self, timeout_s: float) -> list[tuple[int, str]]:
-        """Workers without progress for ``timeout_s``, those not waiting for a peer first."""
+        """Workers without progress for ``timeout_s`` that are not waiting for a peer. While only
+        waiting ones are, nobody yet: the peer they wait for went quiet later, and its turn comes;
+        when every worker is stuck waiting, all of them."""
         now = time.monotonic()
+        rows = self._rows.tolist()
         stuck = [(rank, int(step), PHASES[int(phase)], now - since)
-                 for rank, (step, phase, since) in enumerate(self._rows.tolist()) if now - since > timeout_s]
-        if not stuck:
-            return []
-        causes = [s for s in stuck if s[2] not in _WAITING] or stuck
+                 for rank, (step, phase, since) in enumerate(rows) if now - since > timeout_s]
+        causes = [s for s in stuck if s[2] not in _WAITING]
+        if not causes and len(stuck) == len(rows):
+            causes = stuck
         return [(rank, f"made no progress for {seconds:.0f} s (worker_timeout={timeout_s:g}), in step {step + 1}, "
                        f"phase {phase}") for rank, step, phase, seconds in causes]
 
@@ -161,12 +177,24 @@ def _exit_with(pid: int) -> None:
     os._exit(1)
 
 
+def _adopt_environment(environment: dict[str, str]) -> None:
+    """Take the launcher's environment as it was at launch: a forked worker inherited its fork
+    server's, from when that started (before a script's ``os.environ[...] = ...``, or Hydra's
+    ``hydra.job.env_set``). What was preloaded into this process (``LD_PRELOAD``) stays as it is."""
+    for name in set(os.environ) - set(environment) - {"LD_PRELOAD"}:
+        del os.environ[name]
+    for name, value in environment.items():
+        if name != "LD_PRELOAD" and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def _bootstrap(conn: Connection, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
     try:
         # The job comes through the pipe, not as the process's arguments: its shared tensors are
         # then handed over one descriptor at a time, however many a model has.
-        target, payload, stop = conn.recv()
+        target, payload, stop, environment = conn.recv()
+        _adopt_environment(environment)
         if stop is not None:
             stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
         result = target(payload, lambda message: conn.send(("message", message)))
@@ -225,9 +253,10 @@ def launch(
             theirs.close()
             procs.append(proc)
             conns.append(mine)
+        environment = dict(os.environ)  # as it is now: a warm worker's server was started earlier
         for conn, payload in zip(conns, payloads):
             try:
-                conn.send((target, payload, stop))
+                conn.send((target, payload, stop, environment))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died before reading its job: supervision reports how
         return _supervise(procs, conns, on_message, watchdog or Watchdog(), tick_s, where)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ELEMENTS, TENSORS = "elements", "tensors"
+# How the optimizer's work is split: equal slices of elements, runs of whole tensors, or the
+# whole model in worker 0 (for an optimizer that may look across tensors).
+ELEMENTS, TENSORS, FULL = "elements", "tensors", "full"
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,12 @@ class FlatLayout:
         self.world_size = world_size
         self.channels_last = channels_last
         self.kind = shards
-        self.shards = (_elementwise_shards(self.numel, world_size) if shards == ELEMENTS
-                       else _whole_tensor_shards(self.slots, world_size))
+        if shards == ELEMENTS:
+            self.shards = _elementwise_shards(self.numel, world_size)
+        elif shards == TENSORS:
+            self.shards = _whole_tensor_shards(self.slots, world_size)
+        else:
+            self.shards = [Shard(0, self.numel, 0)] + [Shard(self.numel, self.numel, 0)] * (world_size - 1)
         self.padded_numel = max(self.numel, self.shards[0].padded_size * world_size)
 
     # --- views -----------------------------------------------------------------------------
@@ -159,7 +165,7 @@ class FlatLayout:
         for index, slot in enumerate(self.slots):
             start, stop = max(slot.offset, shard.start), min(slot.stop, shard.stop)
             if start < stop:
-                out.append(Piece(index, start, stop, whole=self.kind == TENSORS))
+                out.append(Piece(index, start, stop, whole=self.kind != ELEMENTS))
         return out
 
     def max_channels(self) -> int:

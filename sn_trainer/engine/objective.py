@@ -13,6 +13,7 @@ Hugging Face model's mean over kept tokens, which the model sums when it is call
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -92,11 +93,11 @@ class Objective:
         """Whether the step's summed loss is divided by a count (all but a sum-reduced loss)."""
         return self.form != SUM
 
-    def accepts(self, item: Any) -> str | None:
-        """Why a dataset item cannot be a sample of this objective's batches (None: it can)."""
+    def accepts(self, item: Any, model: nn.Module) -> str | None:
+        """Why a dataset item cannot be a sample of this objective's batches for ``model`` (None: it can)."""
         if self.step_fn is not None or (isinstance(item, (tuple, list)) and len(item) == 2):
             return None
-        if self.model_loss and isinstance(item, Mapping):
+        if self.model_loss and isinstance(item, Mapping) and _takes(model, item):
             return None
         what = f"{type(item).__name__}{f' of {len(item)} items' if isinstance(item, (tuple, list)) else ''}"
         return (f"is {what}, not an (input, target) pair{' or a dict of model arguments' if self.model_loss else ''}; "
@@ -186,6 +187,16 @@ class Objective:
         kept = targets != getattr(self.loss_fn, "ignore_index", -100)
         correct = ((outputs.argmax(dim=1) == targets) & kept).sum()
         return float(correct), float(kept.sum())
+
+
+def _takes(model: nn.Module, arguments: Mapping) -> bool:
+    """Whether ``model(**arguments)`` matches its forward's signature."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True  # no signature to read: the preflight will tell
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return any(p.kind == p.VAR_KEYWORD for p in parameters) or set(map(str, arguments)) <= names
 
 
 def model_outputs(model: nn.Module, batch: Mapping, precision: Precision, num_items: int | None = None) -> Any:

@@ -42,22 +42,62 @@ class SharedParams:
                     module._buffers[name] = buf.clone()
 
 
-def private_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Give this replica private copies of its buffers; return (module, name, shared) triples.
+def buffer_count(model: nn.Module) -> int:
+    """How many buffers ``ReplicaBuffers`` links for ``model``."""
+    return sum(1 for module in model.modules() for buf in module._buffers.values() if buf is not None)
 
-    Only rank 0 writes the shared buffers (like DDP, whose buffers follow rank 0): running
-    statistics updated by several processes at once would race. Others refresh their copy
-    from the shared one before evaluating.
+
+class ReplicaBuffers:
+    """A replica's buffers (batch-norm statistics, running normalisers...) against the shared ones.
+
+    Worker 0 computes in the shared buffers themselves; every other worker computes in private
+    copies and, after every step, adopts the values worker 0 left, as DDP's buffers follow rank
+    0 (running statistics updated by several processes at once would race). Worker 0 says which
+    buffers its step changed (``changed``), so that a buffer nobody writes (a causal mask) is
+    never copied; the others also take back any they changed themselves.
     """
-    links = []
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None:
-                module._buffers[name] = buf.clone()
-                links.append((module, name, buf))
-    return links
 
+    def __init__(self, model: nn.Module, rank: int):
+        self.rank = rank
+        self.links: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []  # module, name, shared, own
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    own = buf if rank == 0 else buf.clone()
+                    module._buffers[name] = own
+                    self.links.append((module, name, buf, own))
+        self._versions = [own._version for *_, own in self.links]
 
-def refresh_buffers(links: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
-    for module, name, shared in links:
-        module._buffers[name].copy_(shared)
+    def _moved(self) -> list[int]:
+        """The buffers this replica's forward passes changed since last asked: written in place,
+        or replaced (``self.mean = ...``), whose new value is then copied into its own tensor."""
+        moved = []
+        for index, (module, name, _, own) in enumerate(self.links):
+            current = module._buffers[name]
+            if current is not own:
+                with torch.no_grad():
+                    own.copy_(current)
+                module._buffers[name] = own
+            if own._version != self._versions[index]:
+                moved.append(index)
+        return moved
+
+    def _seen(self) -> None:
+        self._versions = [own._version for *_, own in self.links]
+
+    def changed(self) -> torch.Tensor:
+        """Worker 0, after its forward passes: a 0/1 flag per buffer its step changed."""
+        flags = torch.zeros(len(self.links), dtype=torch.float64)
+        flags[self._moved()] = 1.0
+        self._seen()
+        return flags
+
+    def adopt(self, indices=None) -> None:
+        """Any other worker: take worker 0's values of ``indices`` (default: all) and of any
+        buffer this replica changed itself."""
+        wanted = range(len(self.links)) if indices is None else sorted(set(indices) | set(self._moved()))
+        with torch.no_grad():
+            for index in wanted:
+                _, _, shared, own = self.links[index]
+                own.copy_(shared)
+        self._seen()

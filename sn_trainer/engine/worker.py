@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from ..data.batching import fetch_batch, in_layout
 from ..data.sampler import GlobalBatches, slice_bounds
+from . import random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals
 from .cluster import Cluster
@@ -26,7 +27,7 @@ from .launch import Heartbeats, pack
 from .layout import FlatLayout
 from .objective import Objective, Precision
 from .plan import Plan
-from .shared import private_buffers, refresh_buffers
+from .shared import ReplicaBuffers
 from .signals import StopFlags
 from .state import group_params, optimizer_pieces
 
@@ -103,7 +104,7 @@ class Replica:
         self.precision, self.dtype = Precision(placement.precision), job.flat.dtype
         self.layout.bind(self.model, job.flat)
         self.params = self.layout.parameters(self.model)
-        self.buffer_links = private_buffers(self.model) if spec.rank != 0 else []
+        self.buffers = ReplicaBuffers(self.model, spec.rank)
 
         shard = self.layout.shards[spec.rank]
         # gloo's own timeout is a backstop behind the launcher's watchdog, which names the worker
@@ -121,11 +122,12 @@ class Replica:
         for index, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _p, i=index: self.used.__setitem__(i, 1.0))
         if plan.sync_batchnorm:
-            synchronise(self.model, self.global_sum)
+            synchronise(self.model, self._waiting_sum)
 
         self.optimizer, self.scheduler = self._build_optimizer(spec.resume)
+        self.lr_used: float | None = None  # by the last step's update
         if spec.resume is not None and spec.resume.get("rng") is not None:
-            torch.set_rng_state(spec.resume["rng"])  # same workers: same random streams
+            random_state.restore(spec.resume["rng"])  # same workers: same random streams
         self.batches = None
         if job.train_set is not None:
             self.batches = GlobalBatches(plan.dataset_size, plan.batch_size, plan.accumulate, plan.seed, plan.drop_last)
@@ -133,9 +135,9 @@ class Replica:
     def _build_optimizer(self, resume: dict[str, Any] | None):
         """This shard's optimizer over its pieces, the run's groups, and a schedule at the run's step."""
         job, shard = self.job, self.layout.shards[self.rank]
-        if job.optimizer is None:
-            return None, None
         self._pieces = optimizer_pieces(self.layout, self.rank, job.slot_groups)
+        if job.optimizer is None or not self._pieces:
+            return None, None  # nothing of the model is this worker's to update
         self._piece_params, self._piece_grads = [], []
         for piece in self._pieces:
             if piece.whole:
@@ -165,6 +167,12 @@ class Replica:
         """Sum a small tensor over every worker of every node, in place."""
         return self.reducer.sum_across_nodes(self.reducer.sum_in_node(tensor))
 
+    def _waiting_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``global_sum`` inside a forward or backward pass (batch norm): its wait for the peers is
+        a wait, so that a worker stopped there is not blamed for the peers it waits for."""
+        with self.job.heartbeats.waiting(self.rank):
+            return self.global_sum(tensor)
+
     # --- one step ------------------------------------------------------------------------------
 
     def train_step(self, step: int, timer: PhaseTimer) -> StepTotals:
@@ -189,10 +197,14 @@ class Replica:
             loss_sum += micro_loss.item()
             count += micro_count
         with timer("reduce"):
-            self.job.board.publish(step, self.rank, loss_sum, count, self.reducer.local_sum(), self.used)
+            changed = self.buffers.changed() if self.rank == 0 else None
+            self.job.board.publish(step, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
             self.reducer.reduce()
         totals = self.step_totals(step)
+        self.lr_used = self.current_lr()  # before the scheduler moves it on
         with timer("update"):
+            if self.rank != 0:
+                self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this step
             if totals.finite:
                 self.update(totals)
         if self.rank == 0:
@@ -213,7 +225,7 @@ class Replica:
         totals = self.job.board.totals(step)
         if self.cluster is not None:  # add the other nodes' losses, counts, checks and use counts
             totals = self.reducer.sum_across_nodes(totals)
-        totals = Board.read(totals)
+        totals = self.job.board.read(totals)
         if self.objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
             return StepTotals(math.nan, totals.count, False, totals.unused)
         return totals
@@ -256,10 +268,13 @@ class Replica:
     def evaluate(self, dataset: Dataset, beat: Callable[[str], None]) -> dict[str, Any]:
         """Exact loss and metrics over the whole of ``dataset``, each worker taking a slice.
 
-        A failure in any worker's evaluation is reported, not raised: the training is kept.
+        A failure in any worker's evaluation is reported, not raised: the training is kept. Every
+        module is put back in the mode it was in (a frozen backbone stays in eval mode).
         """
+        modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
-        refresh_buffers(self.buffer_links)
+        if self.rank != 0:
+            self.buffers.adopt()
         keys = self.objective.eval_keys
         start, stop = slice_bounds(len(dataset), self.global_workers, self.global_rank)
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
@@ -280,7 +295,8 @@ class Replica:
             sums[-1] += 1
         beat("sync")
         self.global_sum(sums)
-        self.model.train()
+        for module, training in modes:
+            module.training = training
         if sums[-1] > 0:
             return {"eval_error": error or "evaluation failed in another worker"}
         result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
@@ -293,7 +309,7 @@ class Replica:
         """What this worker contributes to a checkpoint: its optimizer's state, its random state
         (and, from worker 0, the model's), as tensors and plain data."""
         part = {"rank": self.rank, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "rng": torch.get_rng_state()}
+                "rng": random_state.capture()}
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
@@ -341,7 +357,7 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
     plan = spec.job.plan
     spec.job.heartbeats.beat(spec.rank, plan.start_step, "setup")
     pin_and_set_threads(plan.placement.pinning[spec.rank], plan.placement.threads)
-    torch.manual_seed(plan.seed * 1000 + plan.placement.node_rank * plan.placement.workers + spec.rank)
+    random_state.seed(plan.seed * 1000 + plan.placement.node_rank * plan.placement.workers + spec.rank)
     replica = Replica(spec)
     try:
         if plan.evaluate_only:
@@ -391,7 +407,6 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     started = last_log_time = time.perf_counter()
     last_log_step, last_log_phases = plan.start_step, dict(timer.seconds)
     cpu = CpuClock()
-    replica.model.train()
     for step in range(plan.start_step, plan.total_steps):
         if step == measure_from:  # warm-up over (if any): measure from here
             timer, eval_seconds = PhaseTimer(beat), 0.0
@@ -423,7 +438,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             steps = done - last_log_step
             phase_ms = {p: 1000 * (timer.seconds[p] - last_log_phases[p]) / steps for p in PHASES}
             send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss,
-                               "lr": replica.current_lr(),
+                               "lr": replica.lr_used,
                                "samples_per_sec": plan.samples(last_log_step, done) / (now - last_log_time),
                                "phase_ms": phase_ms}))
             last_log_step, last_log_time, last_log_phases = done, now, dict(timer.seconds)
