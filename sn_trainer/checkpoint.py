@@ -78,8 +78,12 @@ class CheckpointDir:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
+                # torch.save's zip writer, closing after a failed write (a full disk), raises its own
+                # RuntimeError ("unexpected pos ...") over the OSError that says what happened.
+                raise exc.__context__ from None
             raise
         dir_fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -205,14 +209,15 @@ def check_optimizer(checkpoint: dict[str, Any], keys: tuple[str, ...], optimizer
                     path: str | os.PathLike) -> None:
     """Refuse a checkpoint whose optimizer kept other state than this run's optimizer keeps.
 
-    ``keys`` are what this run's optimizer holds per parameter after a step (the preflight's).
+    ``keys`` are what this run's optimizer holds per parameter after a step (the preflight's). An
+    optimizer that keeps nothing (SGD without momentum) resumes from any: it reads no state.
 
     Raises:
-        CheckpointError: the saved state has other keys (it was written with another optimizer).
+        CheckpointError: both keep state, under other keys (it was written with another optimizer).
     """
     saved = checkpoint.get("optimizer") or {}
     theirs = sorted({str(k) for held in (saved.get("state") or {}).values() for k in held})
-    if theirs and theirs != sorted(keys):
+    if theirs and keys and theirs != sorted(keys):
         raise CheckpointError(f"{path} holds optimizer state {{{', '.join(theirs)}}}, and this run's "
                               f"{optimizer_name} keeps {{{', '.join(sorted(keys))}}}: it was written with another "
                               "optimizer; resume with that one, or start afresh without resume")

@@ -74,15 +74,18 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
 
     whole = vector(group)
     if _off(vector(group, seed=1), whole) > tolerance:
-        return Finding(None, "its value changes between two calls on the same samples, even in eval mode")
+        return Finding(None, "its value changes between two calls on the same samples, even in eval mode (random "
+                             "augmentation such as Mixup?), so how it splits cannot be measured")
     each = torch.stack([vector(single) for single in singles])
     total, mean = each.sum(dim=0), each.mean(dim=0)
     if _off(whole, mean) <= tolerance:
         return Finding(MEAN, "a per-sample mean")
     if _off(whole, total) <= tolerance:
         return Finding(SUM, "a sum over the samples")
-    return Finding(None, f"on {len(singles)} samples, its loss and gradient differ from the mean of each sample's "
-                         f"alone by {_off(whole, mean):.2g} (relative), and from their sum by {_off(whole, total):.2g}")
+    return Finding(None, f"on {len(singles)} samples, its loss and gradient are neither the mean of each sample's "
+                         f"alone (off by {_off(whole, mean):.2g}, relative) nor their sum (off by "
+                         f"{_off(whole, total):.2g}): what it divides by depends on the data (kept tokens, masks, "
+                         "class weights), or it is a loss of the batch as a whole")
 
 
 def _off(found: torch.Tensor, expected: torch.Tensor) -> float:

@@ -78,37 +78,30 @@ def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval
 
 
 def rehearse(s: Script) -> Rehearsal:
-    """Forward, loss, backward and an optimizer step on the training slice, the loss's form
-    (``loss_probe``), then evaluation of the other slice, on copies of the model.
+    """Forward, loss and backward on the training slice, the loss's form (``loss_probe``, on the
+    weights before any step), an optimizer step, then evaluation of the other slice, on a copy
+    of the model in the modes the user left its modules in.
 
     Raises:
         UserCodeError: any of them raised; the message carries the user's traceback.
     """
-    replica = copy.deepcopy(s.model)  # in the modes the user left its modules in
+    replica = copy.deepcopy(s.model)
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
     how = Precision(s.precision)
 
-    optimizer_class, state_keys = None, ()
     if s.train_batch is not None:
         batch = in_layout(s.train_batch, s.channels_last)
         loss_sum, _ = _attempt(f"the training step (on a first slice of {s.train_samples} samples)",
                                lambda: s.objective.train_terms(replica, batch, s.train_samples, how, dtype))
         _attempt("the backward pass", loss_sum.backward)
-        if s.optimizer is not None:
-            built = _attempt("building the optimizer", lambda: s.optimizer(group_params(
-                params, range(len(params)), s.groups.options, s.groups.slot_groups)))
-            optimizer_class = type(built)
-            if not _needs_closure(optimizer_class):
-                _attempt("the optimizer's step", built.step)
-                state_keys = tuple(sorted({str(k) for held in built.state.values() for k in held}))
     finding = loss_probe.Finding(MEAN)
     if s.probe_group is not None:
         finding = _attempt("measuring how the loss splits over samples (eval mode, one sample at a time)",
-                           lambda: loss_probe.measure(s.objective, copy.deepcopy(s.model),
-                                                      in_layout(s.probe_group, s.channels_last),
+                           lambda: loss_probe.measure(s.objective, replica, in_layout(s.probe_group, s.channels_last),
                                                       [in_layout(b, s.channels_last) for b in s.probe_singles]))
     s.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
+    optimizer_class, state_keys = _optimizer_step(s, params) if s.train_batch is not None else (None, ())
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, s.channels_last)
@@ -117,6 +110,18 @@ def rehearse(s: Script) -> Rehearsal:
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
     return Rehearsal(optimizer_class, eval_keys, finding, state_keys)
+
+
+def _optimizer_step(s: Script, params: list[torch.Tensor]) -> tuple[type | None, tuple[str, ...]]:
+    """The optimizer's class, and the state it keeps per parameter after a step."""
+    if s.optimizer is None:
+        return None, ()
+    built = _attempt("building the optimizer", lambda: s.optimizer(group_params(
+        params, range(len(params)), s.groups.options, s.groups.slot_groups)))
+    if _needs_closure(type(built)):
+        return type(built), ()
+    _attempt("the optimizer's step", built.step)
+    return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held}))
 
 
 def rehearse_in_worker(s: Script, send) -> dict[str, Any]:

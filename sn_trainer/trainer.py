@@ -294,19 +294,22 @@ class Trainer:
                 (``param_groups``); default SGD(lr=0.01), or the class of the optimizer
                 ``param_groups`` returned.
             loss_fn: ``loss_fn(model(inputs), targets)`` for (inputs, targets) batches; default
-                cross-entropy.
+                cross-entropy. Without loss_fn and step_fn, dict batches are the model's
+                keyword arguments and its output's ``loss`` is trained on (Hugging Face models).
             scheduler: called as ``scheduler(optimizer)``; stepped once per optimizer step.
             on_log: called here, in this process, with each progress record.
             run_config: plain data stored in every checkpoint (the CLI's resolved config); a
                 resume refuses a checkpoint whose model or dataset name differs from it.
-            step_fn: ``step_fn(model, batch)`` returning the loss (a per-sample mean) or
-                ``(loss_sum, count)``; ``batch`` is what the dataset yields, collated.
+            step_fn: ``step_fn(model, batch)`` returning the loss (a per-sample mean or a sum,
+                measured before workers start) or ``(loss_sum, count)``; ``batch`` is what the
+                dataset yields, collated.
             metric_fn: ``metric_fn(model, batch)`` returning ``{name: value or (sum, count)}``,
                 reported as ``eval_<name>``.
             param_groups: ``param_groups(model)`` returning torch.optim groups (or an
                 optimizer built from them); called here, once.
         Raises:
-            ConfigError: bad arguments, before any process starts.
+            ConfigError: bad arguments, or a scalar loss that cannot be split exactly where the
+                run splits it, before any process starts.
             CheckpointError: a checkpoint to resume from cannot be used.
             UserCodeError: the model, step, loss, metric or optimizer failed on a first micro-batch.
             WorkerFailed: a worker raised, died or hung (after max_restarts restarts).
@@ -616,9 +619,8 @@ def _loss_form(finding, objective: Objective, splits: bool) -> str:
     if not splits:
         return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
     raise ConfigError(
-        f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}; its "
-        "denominator depends on the data (kept tokens, masks, class weights) or it is random. Return (loss_sum, "
-        "count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss divides by, "
+        f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}. Return "
+        "(loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss divides by, "
         "e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), (targets != -100).sum()), "
         "or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model that takes num_items_in_batch "
         "needs no step_fn)")

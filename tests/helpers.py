@@ -290,3 +290,14 @@ def processes_with_marker(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def stops_halfway_through_a_message(payload, send):
+    """A worker target that writes the start of a message into its pipe (a length of 1 MiB, then
+    10 bytes of it) and stops itself, as SIGSTOP can catch a worker sending a checkpoint part."""
+    import signal
+    import struct
+
+    (conn,) = [cell.cell_contents for cell in send.__closure__ if hasattr(cell.cell_contents, "fileno")]
+    os.write(conn.fileno(), struct.pack("!i", 1 << 20) + b"0123456789")
+    os.kill(os.getpid(), signal.SIGSTOP)

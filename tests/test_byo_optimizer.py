@@ -183,16 +183,20 @@ def test_a_resume_with_groups_across_a_change_of_worker_count(tmp_path):
 def test_every_optimizer_sharded_by_elements_is_proven_elementwise(name):
     """sn_trainer gives these any slice of the parameters (shards=elements): each must step a slice
     exactly as it steps the whole. W=3 with batch 7 cuts every tensor of SmallConvNet unevenly."""
-    optimizer = functools.partial(getattr(torch.optim, name), lr=0.01)
     torch.manual_seed(0)
-    model = SmallConvNet().double()
+    assert three_workers_against_plain(SmallConvNet().double(),
+                                       functools.partial(getattr(torch.optim, name), lr=0.01)) == "elements"
+
+
+def three_workers_against_plain(model, optimizer) -> str:
+    """Train ``model`` with 3 workers and in a plain loop; assert they agree; the shard kind that ran."""
     reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
                           optimizer=lambda m: optimizer(m.parameters()),
                           loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     result = Trainer(workers=3, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64),
                                                                        optimizer=optimizer)
-    assert result.plan["shards"] == "elements"
     assert_exact(model, reference)
+    return result.plan["shards"]
 
 
 class TwoTensors(nn.Module):
@@ -208,15 +212,8 @@ class TwoTensors(nn.Module):
 
 def test_a_worker_with_no_tensor_of_its_own_trains_along():
     torch.manual_seed(0)
-    model = TwoTensors().double()
-    adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
-    reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=F64), 7, steps=4, seed=3,
-                          optimizer=lambda m: adafactor(m.parameters()),
-                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
-    result = Trainer(workers=3, batch_size=7, max_steps=4, seed=3).fit(model, tiny_dataset(dtype=F64),
-                                                                       optimizer=adafactor)
-    assert result.plan["shards"] == "tensors"
-    assert_exact(model, reference)
+    assert three_workers_against_plain(TwoTensors().double(),
+                                       functools.partial(torch.optim.Adafactor, lr=0.01)) == "tensors"
 
 
 def decay_with_the_frozen(model):

@@ -1,5 +1,7 @@
 """Checkpoints, exact resume, restarts, signals, divergence: with real processes and real signals."""
 import csv
+import errno
+import io
 import json
 import os
 import signal
@@ -296,3 +298,28 @@ def test_soak_twenty_jobs_hold_no_more_at_the_end_than_after_the_first(tmp_path)
         series = [h[key] for h in hygiene]
         assert max(series[1:]) <= series[1], f"{key} grew from job to job: {series}"
     assert max(h["child_processes"] for h in hygiene) == 0  # but multiprocessing's tracker and fork server
+
+
+class FillsUp(io.FileIO):
+    """A file on a disk with ``room`` bytes left: writes past them fail with ENOSPC, as a full disk's do."""
+
+    def __init__(self, fd: int, mode: str, room: int):
+        super().__init__(fd, mode)
+        self.room = room
+
+    def write(self, data):
+        if self.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+def test_a_full_disk_raises_the_os_error_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    """torch.save's zip writer, failing to write, raises a RuntimeError of its own while closing:
+    the caller must still see the OSError (ENOSPC), which the Trainer reports in one line."""
+    directory = CheckpointDir(tmp_path)
+    first = directory.save(checkpoint.build(1, {"w": torch.zeros(3)}, None, [], {}, None))
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: FillsUp(fd, mode, room=4096))
+    with pytest.raises(OSError) as caught:
+        directory.save(checkpoint.build(2, {"w": torch.zeros(1 << 16)}, None, [], {}, None))
+    assert caught.value.errno == errno.ENOSPC
+    assert directory.steps() == [(1, first)] and sorted(os.listdir(tmp_path)) == [first.name]

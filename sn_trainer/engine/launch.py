@@ -12,6 +12,7 @@ import ctypes
 import io
 import logging
 import os
+import queue
 import select
 import signal
 import sys
@@ -242,7 +243,7 @@ def launch(
         # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
         os._exit(EXIT_TRAINS_AT_IMPORT)
     ctx = _context(start_method, runtime)
-    procs, conns = [], []
+    procs, conns, inbox = [], [], None
     try:
         for payload in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
@@ -259,44 +260,86 @@ def launch(
                 conn.send((target, payload, stop, environment))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died before reading its job: supervision reports how
-        return _supervise(procs, conns, on_message, watchdog or Watchdog(), tick_s, where)
+        inbox = _Inbox(conns)
+        return _supervise(procs, inbox, on_message, watchdog or Watchdog(), tick_s, where)
     finally:
         _teardown(procs)
+        if inbox is not None:
+            inbox.close()  # its readers end: every worker is gone
         for conn in conns:
             conn.close()
 
 
-def _supervise(procs, conns, on_message, watchdog: Watchdog, tick_s, where) -> list[Any]:
+class _Inbox:
+    """Every worker's messages, each pipe read by a thread of its own.
+
+    A message is read whole or not at all, and a worker stopped halfway through sending one (a
+    large checkpoint part, when SIGSTOP strikes) would block a reader forever: here it blocks its
+    own thread, while the launcher goes on watching heartbeats. The threads wake the launcher
+    through a pipe it waits on beside the workers' sentinels.
+    """
+
+    def __init__(self, conns: list[Connection]):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup, self._wake = os.pipe()
+        self._threads = [threading.Thread(target=self._read, args=(rank, conn), name=f"inbox-{rank}", daemon=True)
+                         for rank, conn in enumerate(conns)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        try:
+            while True:
+                self._queue.put((rank, *conn.recv()))
+                os.write(self._wake, b".")
+        except (EOFError, OSError):  # the worker has ended (or its pipe was closed at teardown)
+            pass
+
+    def take(self) -> list[tuple[int, str, Any]]:
+        """The messages read so far: (rank, kind, body)."""
+        if select.select([self.wakeup], [], [], 0)[0]:
+            os.read(self.wakeup, 1 << 16)
+        taken = []
+        while not self._queue.empty():
+            taken.append(self._queue.get())
+        return taken
+
+    def finish(self, rank: int, timeout_s: float = 5.0) -> None:
+        """Wait until worker ``rank``'s pipe has been read to its end (the worker has exited)."""
+        self._threads[rank].join(timeout_s)
+
+    def close(self) -> None:
+        for thread in self._threads:
+            thread.join(1.0)
+        os.close(self.wakeup)
+        os.close(self._wake)
+
+
+def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, where) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
     running = set(range(len(procs)))
-    open_conns = {conn: rank for rank, conn in enumerate(conns)}
 
-    def drain(conn: Connection, rank: int) -> None:
-        try:
-            while conn.poll():
-                kind, body = conn.recv()
-                if kind == "message" and on_message is not None:
-                    on_message(rank, body)
-                elif kind == "done":
-                    results[rank] = body
-                elif kind == "error":
-                    failures.append((rank, body))
-        except (EOFError, OSError):
-            open_conns.pop(conn, None)
+    def deliver() -> None:
+        for rank, kind, body in inbox.take():
+            if kind == "message" and on_message is not None:
+                on_message(rank, body)
+            elif kind == "done":
+                results[rank] = body
+            elif kind == "error":
+                failures.append((rank, body))
 
     while running and not failures:
         sentinels = {procs[r].sentinel: r for r in running}
-        for ready in wait(list(open_conns) + list(sentinels), timeout=tick_s):
-            if ready in open_conns:
-                drain(ready, open_conns[ready])
-            elif ready in sentinels:
-                rank = sentinels[ready]
-                procs[rank].join()
-                drain(conns[rank], rank)  # messages sent just before exiting
-                running.discard(rank)
-                if rank not in results and not any(r == rank for r, _ in failures):
-                    failures.append((rank, describe_exit(procs[rank].exitcode)))
+        ready = wait([inbox.wakeup, *sentinels], timeout=tick_s)
+        deliver()
+        for rank in [sentinels[r] for r in ready if r in sentinels]:
+            procs[rank].join()
+            inbox.finish(rank)
+            deliver()  # messages sent just before exiting
+            running.discard(rank)
+            if rank not in results and not any(r == rank for r, _ in failures):
+                failures.append((rank, describe_exit(procs[rank].exitcode)))
         if running and not failures:
             if watchdog.on_tick is not None:
                 watchdog.on_tick([procs[r].pid for r in running])
