@@ -620,10 +620,10 @@ def _loss_form(finding, objective: Objective, splits: bool) -> str:
         return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
     raise ConfigError(
         f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}. Return "
-        "(loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss divides by, "
-        "e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), (targets != -100).sum()), "
-        "or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model that takes num_items_in_batch "
-        "needs no step_fn)")
+        "(loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss "
+        "divides by, e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), "
+        "(targets != -100).sum()), or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model needs "
+        "no step_fn: sn_trainer calls it and counts its labels)")
 
 
 def _check_same_run(saved: dict[str, Any], path, facts: dict[str, Any], run_config: dict[str, Any] | None,

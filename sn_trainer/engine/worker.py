@@ -1,6 +1,7 @@
 """What one worker process does: set itself up, then train its share of every global batch."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -227,7 +228,7 @@ class Replica:
             totals = self.reducer.sum_across_nodes(totals)
         totals = self.job.board.read(totals)
         if self.objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
-            return StepTotals(math.nan, totals.count, False, totals.unused)
+            return dataclasses.replace(totals, loss_sum=math.nan, finite=False)
         return totals
 
     def update(self, totals: StepTotals) -> None:
