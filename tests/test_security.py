@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 class SocketProbe(nn.Module):
-    """On its second forward, each worker writes down its listening sockets and /dev/shm entries."""
+    """On its third forward (a worker's third step; the preflight, without an evaluation set, calls
+    it twice), each worker writes down its listening sockets and /dev/shm entries."""
 
     def __init__(self, inner, out_dir):
         super().__init__()
@@ -31,7 +32,7 @@ class SocketProbe(nn.Module):
         import psutil
 
         self.calls += 1
-        if self.calls == 2:
+        if self.calls == 3:
             listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"]
             record = {"listening": listening, "shm": os.listdir("/dev/shm")}
             with open(os.path.join(self.out_dir, f"{os.getpid()}.json"), "w") as f:
