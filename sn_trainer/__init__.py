@@ -7,11 +7,13 @@ on first use.
 from .errors import (CheckpointError, ConfigError, DataError, InputError, TrainingDiverged, TrainingInterrupted,
                      UserCodeError, WorkerFailed)
 
-__all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "FitResult", "InputError", "Trainer",
-           "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "WorkerFailed", "warm_up"]
+__all__ = ["BestCheckpoint", "Callback", "CheckpointError", "Cluster", "ConfigError", "DataError", "EarlyStopping",
+           "FitResult", "InputError", "Trainer", "TrainingDiverged", "TrainingInterrupted", "UserCodeError",
+           "WorkerFailed", "warm_up"]
 __version__ = "0.2.0"
 
-_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster"}
+_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster", "Callback": ".callbacks",
+         "EarlyStopping": ".callbacks", "BestCheckpoint": ".callbacks"}
 
 
 def __getattr__(name: str):

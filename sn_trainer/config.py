@@ -96,6 +96,10 @@ class TrainerConfig:
                                 "model, else gnu)")
     log_every: int = option(100, "optimizer steps between progress records")
     eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
+    eval_every: int | None = option(None, "evaluate every this many optimizer steps (and after the last) instead of "
+                                          "after each epoch")
+    max_eval_batches: int | None = option(None, "evaluate on the first max_eval_batches x eval_batch_size samples of "
+                                                "the evaluation set only (all of it when null)")
     measure_after: int = option(0, "warm-up steps left out of samples/s, phase seconds and CPU use", cli=False)
     profile_dir: str | None = option(None, "when set, each worker writes a torch.profiler Chrome trace of "
                                            "profile_steps steps here", cli=False)
@@ -140,6 +144,8 @@ class TrainerConfig:
         _require(isinstance(self.sync_batchnorm, bool),
                  f"sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
         _positive_int(self.bucket_kb, "bucket_kb", minimum=0)
+        _positive_int(self.eval_every, "eval_every", nullable=True)
+        _positive_int(self.max_eval_batches, "max_eval_batches", nullable=True)
         _one_of(self.reduce, "reduce", REDUCE_MODES)
         _positive_int(self.log_every, "log_every")
         _positive_int(self.eval_batch_size, "eval_batch_size")

@@ -91,7 +91,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
-                             scheduler=build_scheduler(cfg.optim, total_steps), on_log=lambda r: [s(r) for s in sinks],
+                             scheduler=build_scheduler(cfg.optim, total_steps), callbacks=sinks,
                              run_config=resolved, step_fn=step_fn, param_groups=param_groups)
     finally:
         sinks[0].close()

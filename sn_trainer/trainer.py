@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import checkpoint, preflight, tune
+from .callbacks import Callback, Callbacks, History, OnLog
 from .checkpoint import CheckpointDir
 from .config import TrainerConfig
 from .data.batching import check_sample, share_dataset
@@ -35,6 +37,7 @@ from .engine import state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
+from .engine.events import CheckpointPart, Evaluation
 from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, trainable_parameters
@@ -84,6 +87,7 @@ class FitResult:
     comm: str = "local"  # the reducer that ran (comm=auto decides at start-up)
     precision: str = "fp32"  # what ran (bf16 falls back to fp32 where the CPU has no native bf16)
     plan: dict[str, Any] = field(default_factory=dict)  # everything the run was resolved to
+    stopped_early: int | None = None  # a callback stopped the run after this step (trainer.should_stop)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,6 +290,7 @@ class Trainer:
         step_fn: Callable[[nn.Module, Any], Any] | None = None,
         metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
         param_groups: Callable[[nn.Module], Any] | None = None,
+        callbacks: list[Callback] | None = None,
     ) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
@@ -307,6 +312,8 @@ class Trainer:
                 reported as ``eval_<name>``.
             param_groups: ``param_groups(model)`` returning torch.optim groups (or an
                 optimizer built from them); called here, once.
+            callbacks: ``sn_trainer.Callback`` objects, called here as the run's events arrive;
+                one may end the run early (``trainer.should_stop = True``).
         Raises:
             ConfigError: bad arguments, or a scalar loss that cannot be split exactly where the
                 run splits it, before any process starts.
@@ -316,6 +323,23 @@ class Trainer:
             TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
+        history = History()
+        hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []), *(callbacks or [])])
+        run = self._resolve(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
+                            param_groups, run_config)
+        writer = _CheckpointWriter(run, hooks)
+        hooks = Callbacks([writer, *hooks.callbacks])
+        self.should_stop = self.should_checkpoint = False
+        hooks.call("on_fit_start", self, run.plan(0))
+        outcome = self._train(run, hooks, writer)
+        result = self._result(run, outcome, history.records, writer)
+        hooks.call("on_fit_end", self, result)
+        return result
+
+    def _resolve(self, model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
+                 run_config) -> "_Run":
+        """Check everything, rehearse the user's code on one micro-batch, and decide every setting
+        of the run once."""
         cfg = self.config
         placement = self.placement = self._place_for(model)
         objective = _objective(loss_fn, step_fn, metric_fn)
@@ -364,73 +388,84 @@ class Trainer:
                 resume_from = Path(cfg.checkpoint_dir) if CheckpointDir(cfg.checkpoint_dir).latest() else None
         facts = {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "seed": cfg.seed,
                  "drop_last": cfg.drop_last, "dataset_size": len(train_set)}
-        initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        writer = _CheckpointWriter(directory, layout, groups, facts, run_config)
-        history: list[dict[str, Any]] = []
-        restarts = 0
+        plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
+                    drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
+                    total_steps=total_steps, clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan,
+                    channels_last=channels_last, shards=kind, sync_batchnorm=cfg.sync_batchnorm,
+                    loss_form=objective.form, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
+                    evaluates=eval_set is not None, eval_every=cfg.eval_every, max_eval_batches=cfg.max_eval_batches,
+                    measure_after=cfg.measure_after, checkpointing=directory is not None,
+                    checkpoint_every_steps=cfg.checkpoint_every_steps,
+                    checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
+                    profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
+        return _Run(model=model, train_set=train_set, eval_set=eval_set, objective=objective, optimizer=optimizer,
+                    scheduler=scheduler, groups=groups, layout=layout, rehearsal=rehearsal, first_plan=plan,
+                    directory=directory, resume_from=resume_from, facts=facts, run_config=run_config,
+                    initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    def _train(self, run: "_Run", hooks: Callbacks, writer: "_CheckpointWriter") -> "_Outcome":
+        """Launch the workers; when one fails, restart all from the last checkpoint, up to
+        ``max_restarts`` times."""
+        cfg, restarts, resume_from = self.config, 0, run.resume_from
         self._stop.reset()
 
-        def relay(rank: int, message: tuple) -> None:
-            if message[0] == "progress":
-                history.append(message[1])
-                if on_log is not None:
-                    on_log(message[1])
-            elif message[0] == "checkpoint":
-                writer.add(rank, message[1], message[2])
+        def relay(rank: int, event: Any) -> None:
+            hooks.event(self, rank, event)
+            if isinstance(event, Evaluation) and self.should_checkpoint:
+                self._stop.save_at(event.step)
+                self.should_checkpoint = False
+            if self.should_stop:
+                self._stop.ask()
+            if isinstance(event, Evaluation):
+                self._stop.acknowledge(event.step)  # worker 0 waits for this, then the workers go on
 
         with graceful_stop(self._stop):
             while True:
-                resume = self._resume(resume_from, model, layout, groups, total_steps, facts, run_config, rehearsal) \
-                    if resume_from else None
-                plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
-                            drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
-                            total_steps=total_steps, start_step=resume["step"] if resume else 0,
-                            clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan, channels_last=channels_last,
-                            shards=kind, sync_batchnorm=cfg.sync_batchnorm, loss_form=objective.form,
-                            log_every=cfg.log_every,
-                            eval_batch_size=cfg.eval_batch_size, evaluate_each_epoch=eval_set is not None,
-                            measure_after=cfg.measure_after, checkpointing=directory is not None,
-                            checkpoint_every_steps=cfg.checkpoint_every_steps,
-                            checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
-                            profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
+                resume = self._resume(resume_from, run) if resume_from else None
+                plan = run.plan(resume["step"] if resume else 0)
                 try:
                     launcher_cpu = -_own_cpu_seconds()
-                    results, peak = self._run(model, layout, train_set, eval_set, objective, optimizer, groups,
-                                              scheduler, plan, relay, resume)
-                    launcher_cpu += _own_cpu_seconds()
-                    break
+                    results, peak = self._run(run.model, run.layout, run.train_set, run.eval_set, run.objective,
+                                              run.optimizer, run.groups, run.scheduler, plan, relay, resume)
+                    return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts)
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
                         raise TrainingInterrupted(self._stop.signal, None, writer.last_saved) from failure
                     if restarts >= cfg.max_restarts:
                         raise
                     restarts += 1
-                    latest = directory.latest() if directory else None
+                    latest = run.directory.latest() if run.directory else None
                     log.warning("%s\nrestart %d of %d, from %s", failure, restarts, cfg.max_restarts,
                                 latest or resume_from or "the initial parameters")
                     if latest is not None:
-                        resume_from = directory.path
+                        resume_from = run.directory.path
                     elif resume_from is None:
-                        model.load_state_dict(initial_state)
+                        run.model.load_state_dict(run.initial_state)
                     self._stop.clear_for_restart()
+
+    def _result(self, run: "_Run", outcome: "_Outcome", history: list[dict[str, Any]],
+                writer: "_CheckpointWriter") -> FitResult:
+        """What the run measured, or the error that ended it."""
+        cfg, plan, results = self.config, outcome.plan, outcome.results
         lead = results[0]
         if lead["diverged_at"] is not None:
             raise TrainingDiverged(lead["diverged_at"])
-        if lead["stopped_at"] is not None:
-            raise TrainingInterrupted(self._stop.signal or signal.SIGTERM, lead["stopped_at"], writer.last_saved)
+        if lead["stopped_at"] is not None and self._stop.signal:
+            raise TrainingInterrupted(self._stop.signal, lead["stopped_at"], writer.last_saved)
         if lead.get("eval_error"):
             log.warning("evaluation failed; the trained model is kept:\n%s", lead["eval_error"])
-        other = _other_cpu_percent(results, launcher_cpu)
+        other = _other_cpu_percent(results, outcome.launcher_cpu)
         if other is not None and other > OTHERS_WARNING_PERCENT:
             log.warning("other processes used %.0f%% of this machine's CPU during the measured steps: the speeds "
                         "measured mean little (measure on an idle machine)", other)
         measured_from = max(cfg.measure_after, plan.start_step)
         samples = plan.samples(measured_from, measured_from + lead["measured_steps"])
         eval_metrics = {k: v for k, v in lead.items() if k.startswith("eval_") and k != "eval_error"}
+        placement = plan.placement
         return FitResult(
             samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
             per_worker_batch=plan.per_worker_batch,
-            steps=total_steps,
+            steps=lead["stopped_at"] or plan.total_steps,
             measured_steps=lead["measured_steps"],
             final_loss=lead["final_loss"],
             workers=placement.workers,
@@ -438,7 +473,7 @@ class Trainer:
             batch_size=cfg.batch_size,
             train_seconds=lead["train_seconds"],
             phase_seconds={p: sum(r["phase_seconds"][p] for r in results) / len(results) for p in PHASES},
-            peak_memory_bytes=max(peak, sum(r["pss_bytes"] for r in results)),
+            peak_memory_bytes=max(outcome.peak, sum(r["pss_bytes"] for r in results)),
             eval_loss=lead.get("eval_loss"),
             eval_accuracy=lead.get("eval_accuracy"),
             eval_metrics=eval_metrics,
@@ -446,13 +481,14 @@ class Trainer:
             history=history,
             cpu_percent_per_core=lead["cpu_percent_per_core"],
             skipped_steps=lead["skipped_steps"],
-            restarts=restarts,
+            restarts=outcome.restarts,
             last_checkpoint=str(writer.last_saved) if writer.last_saved else None,
-            channels_last=channels_last,
+            channels_last=plan.channels_last,
             other_cpu_percent=other,
             comm=lead["comm"],
             precision=placement.precision,
             plan=plan.summary(lead["comm"]),
+            stopped_early=lead["stopped_at"],
         )
 
     def _check_combinations(self, kind: str, dataset_size: int) -> None:
@@ -477,17 +513,17 @@ class Trainer:
                 raise ConfigError(f"node {node} runs {theirs} workers, this node {self.workers}: every node needs "
                                   "the same workers=... (set it explicitly rather than auto)")
 
-    def _resume(self, target: Path, model: nn.Module, layout: FlatLayout, groups: Groups, total_steps: int,
-                facts: dict[str, Any], run_config: dict[str, Any] | None,
-                rehearsal: "preflight.Rehearsal") -> dict[str, Any]:
+    def _resume(self, target: Path, run: "_Run") -> dict[str, Any]:
         """Load a checkpoint once, check it fits this run, and cut it into each worker's share."""
         path, saved, passed = checkpoint.load_resumable(target)
         for reason in passed:
             log.warning("passing over a damaged checkpoint: %s", reason)
-        _check_same_run(saved, path, facts, run_config, self.config.resume_strict)
-        checkpoint.check_model(saved, model, path)
-        if rehearsal.optimizer_class is not None:
-            checkpoint.check_optimizer(saved, rehearsal.optimizer_state_keys, rehearsal.optimizer_class.__name__, path)
+        _check_same_run(saved, path, run.facts, run.run_config, self.config.resume_strict)
+        checkpoint.check_model(saved, run.model, path)
+        if run.rehearsal.optimizer_class is not None:
+            checkpoint.check_optimizer(saved, run.rehearsal.optimizer_state_keys,
+                                       run.rehearsal.optimizer_class.__name__, path)
+        total_steps = run.first_plan.total_steps
         if saved["step"] >= total_steps:
             raise ConfigError(f"{path} is at step {saved['step']}, and this run has {total_steps} steps: nothing "
                               "left to train; raise epochs or max_steps to go on")
@@ -496,11 +532,12 @@ class Trainer:
             log.warning("%s was written by %d workers, this run has %d: parameters and optimizer state resume "
                         "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]),
                         self.workers)
-        model.load_state_dict(saved["model"])
+        run.model.load_state_dict(saved["model"])
+        layout, slot_groups = run.layout, run.groups.slot_groups
         optimizer = checkpoint.optimizer_state(saved, [(s.name, s.shape) for s in layout.slots])
         log.info("resuming from %s (step %d)", path, saved["step"])
         return {"step": saved["step"],
-                "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, groups.slot_groups) if optimizer else {},
+                "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, slot_groups) if optimizer else {},
                            "rng": saved["rng"][rank] if same_streams else None} for rank in range(self.workers)]}
 
     # --- evaluate ------------------------------------------------------------------------------
@@ -524,7 +561,8 @@ class Trainer:
         layout = FlatLayout(model, placement.workers, channels_last)
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=1, seed=cfg.seed, drop_last=True,
                     dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
-                    eval_batch_size=cfg.eval_batch_size, evaluate_only=True, worker_timeout=cfg.worker_timeout)
+                    eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
+                    worker_timeout=cfg.worker_timeout)
         results, _ = self._run(model, layout, None, dataset, objective, None, Groups(None, (0,) * len(layout.slots)),
                                None, plan, None, None)
         return {k: v for k, v in results[0].items() if k != "comm"}
@@ -582,6 +620,41 @@ class Trainer:
         finally:
             SharedParams.release(model)
             shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One fit, resolved: what every launch of its workers (the first, and each restart) runs."""
+
+    model: nn.Module
+    train_set: Dataset
+    eval_set: Dataset | None
+    objective: Objective
+    optimizer: Callable[..., torch.optim.Optimizer]
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None
+    groups: Groups
+    layout: FlatLayout
+    rehearsal: "preflight.Rehearsal"
+    first_plan: Plan  # from step 0
+    directory: CheckpointDir | None
+    resume_from: Path | None
+    facts: dict[str, Any]  # what a resume must agree with
+    run_config: dict[str, Any] | None
+    initial_state: dict[str, torch.Tensor]  # a restart without a checkpoint starts over from it
+
+    def plan(self, start_step: int) -> Plan:
+        return dataclasses.replace(self.first_plan, start_step=start_step)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """The launch that finished: its plan, every worker's result, and what it cost."""
+
+    plan: Plan
+    results: list[dict[str, Any]]
+    peak: int
+    launcher_cpu: float
+    restarts: int
 
 
 OTHERS_WARNING_PERCENT = 5.0
@@ -648,20 +721,21 @@ def _check_same_run(saved: dict[str, Any], path, facts: dict[str, Any], run_conf
             log.warning("%s (resume_strict=false: going on)", message)
 
 
-class _CheckpointWriter:
+class _CheckpointWriter(Callback):
     """In the launcher: gathers every worker's part of a checkpoint and writes it when complete."""
 
-    def __init__(self, directory: CheckpointDir | None, layout: FlatLayout, groups: Groups, facts: dict[str, Any],
-                 config: dict[str, Any] | None):
-        self.directory, self.layout, self.groups, self.facts, self.config = directory, layout, groups, facts, config
+    def __init__(self, run: _Run, hooks: Callbacks):
+        self.directory, self.layout, self.groups = run.directory, run.layout, run.groups
+        self.facts, self.config, self.hooks = run.facts, run.run_config, hooks
         self._parts: dict[int, dict[int, dict[str, Any]]] = {}
         self.last_saved: Path | None = None
 
-    def add(self, rank: int, step: int, data: bytes) -> None:
-        parts = self._parts.setdefault(step, {})
-        parts[rank] = unpack(data)
+    def on_checkpoint_part(self, trainer, rank: int, part: CheckpointPart) -> None:
+        parts = self._parts.setdefault(part.step, {})
+        parts[rank] = unpack(part.data)
         if self.directory is None or len(parts) < self.layout.world_size:
             return
+        step = part.step
         del self._parts[step]
         ordered = [parts[r] for r in range(self.layout.world_size)]
         optimizer = None
@@ -675,6 +749,7 @@ class _CheckpointWriter:
             raise OSError(exc.errno, f"cannot write the checkpoint of step {step} to {self.directory.path} "
                                      f"({exc.strerror}); the checkpoints before it are intact") from None
         log.info("checkpoint: %s", self.last_saved)
+        self.hooks.call("on_checkpoint", trainer, self.last_saved)
 
 
 def _rendezvous_dir() -> str:

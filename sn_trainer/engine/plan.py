@@ -55,7 +55,9 @@ class Plan:
     loss_form: str = "mean"  # how a scalar loss splits over samples (engine.objective's forms)
     log_every: int = 100
     eval_batch_size: int = 512
-    evaluate_each_epoch: bool = False  # and after the last step
+    evaluates: bool = False  # after each epoch (or every eval_every steps) and after the last step
+    eval_every: int | None = None
+    max_eval_batches: int | None = None  # evaluation covers the first max_eval_batches x eval_batch_size samples
     evaluate_only: bool = False
     measure_after: int = 0  # warm-up steps left out of samples/s and phase seconds
     checkpointing: bool = False  # send state to the launcher (on schedule, at the end, on stop)
@@ -82,6 +84,24 @@ class Plan:
     @property
     def per_worker_batch(self) -> float:
         return self.batch_size / self.placement.global_workers
+
+    def logs_after(self, done: int) -> bool:
+        """Whether worker 0 reports progress after step ``done``."""
+        return done % self.log_every == 0 or done % self.steps_per_epoch == 0 or done == self.total_steps
+
+    def evaluates_after(self, done: int) -> bool:
+        """Whether the workers evaluate after step ``done``: every ``eval_every`` steps, or at each
+        epoch's end, and after the last step."""
+        if not self.evaluates:
+            return False
+        due = done % self.eval_every == 0 if self.eval_every else done % self.steps_per_epoch == 0
+        return due or done == self.total_steps
+
+    def evaluated_samples(self, dataset_size: int) -> int:
+        """How many of an evaluation set's first samples an evaluation covers."""
+        if self.max_eval_batches is None:
+            return dataset_size
+        return min(dataset_size, self.max_eval_batches * self.eval_batch_size)
 
     def checkpoint_due(self, done: int) -> bool:
         end_of_epoch = done % self.steps_per_epoch == 0

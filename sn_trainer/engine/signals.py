@@ -3,33 +3,44 @@
 The request lives in shared memory (``StopFlags``): the launcher and every worker set it when a
 signal reaches them, so ``kill -TERM <launcher>``, ``kill -TERM <worker>`` and ``kill -TERM
 -<group>`` (what schedulers do) all end the same way. Worker 0 reads it after each step and
-names the step every worker stops after; a second signal to the launcher stops at once.
+names the step every worker stops after; a second signal to the launcher stops at once. The
+launcher's callbacks ask through the same flags: to stop (``ask``), and for a checkpoint of the
+step just evaluated (``save_at``); worker 0 waits after each evaluation until the launcher has
+heard of it (``acknowledge``), so what the callbacks decide there applies to that very step.
 """
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
 
-_SIGNAL, _STOP_AT = 0, 1
+_SIGNAL, _STOP_AT, _ASKED, _ACKNOWLEDGED, _SAVE_AT = range(5)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopFlags:
-    """A shared int64 pair: the first stop signal received anywhere (0: none), and the step to stop after."""
+    """Shared int64 flags: the first stop signal received anywhere (0: none), the step to stop
+    after, a stop asked by a callback, the last evaluation the launcher has heard of, and a step
+    whose checkpoint a callback asked for."""
 
     def __init__(self, block: torch.Tensor):
         self.block = block
 
     @classmethod
     def allocate(cls) -> "StopFlags":
-        return cls(torch.zeros(2, dtype=torch.int64).share_memory_())
+        return cls(torch.zeros(5, dtype=torch.int64).share_memory_())
 
     def request(self, signum: int) -> None:
         if int(self.block[_SIGNAL]) == 0:
             self.block[_SIGNAL] = signum
+
+    def ask(self) -> None:
+        """The launcher's callbacks ask the run to stop (``trainer.should_stop``): like a signal,
+        but the run then ends normally."""
+        self.block[_ASKED] = 1
 
     @property
     def signal(self) -> int:
@@ -38,11 +49,27 @@ class StopFlags:
 
     def decide(self, step_done: int) -> None:
         """Worker 0, after a step, before the closing barrier: all workers stop after this step."""
-        if self.signal and not int(self.block[_STOP_AT]):
+        if (self.signal or int(self.block[_ASKED])) and not int(self.block[_STOP_AT]):
             self.block[_STOP_AT] = step_done
 
     def stops_after(self, step_done: int) -> bool:
         return int(self.block[_STOP_AT]) == step_done
+
+    def save_at(self, step_done: int) -> None:
+        """The launcher: the workers checkpoint ``step_done`` (asked on its evaluation)."""
+        self.block[_SAVE_AT] = step_done
+
+    def saves_at(self, step_done: int) -> bool:
+        return int(self.block[_SAVE_AT]) == step_done
+
+    def acknowledge(self, step_done: int) -> None:
+        """The launcher has handed the evaluation of ``step_done`` to its callbacks."""
+        self.block[_ACKNOWLEDGED] = step_done
+
+    def wait_for_acknowledgement(self, step_done: int) -> None:
+        """Worker 0, after sending an evaluation: until the launcher has heard of it."""
+        while int(self.block[_ACKNOWLEDGED]) < step_done:
+            time.sleep(0.0005)  # another process's write to shared memory: nothing to block on
 
     def reset(self) -> None:
         """A new run: no request, no decision."""
@@ -51,6 +78,8 @@ class StopFlags:
     def clear_for_restart(self) -> None:
         """A restart starts a new stop decision; a stop request itself is never cleared."""
         self.block[_STOP_AT] = 0
+        self.block[_ACKNOWLEDGED] = 0
+        self.block[_SAVE_AT] = 0
 
 
 def stop_on_signals(flags: StopFlags) -> None:

@@ -24,6 +24,7 @@ from .batchnorm import synchronise
 from .board import Board, StepTotals
 from .cluster import Cluster
 from .comm import CrossNodeReducer, ShmBuffers, make_reducer
+from .events import CheckpointPart, Evaluation, Progress
 from .launch import Heartbeats, pack
 from .layout import FlatLayout
 from .objective import Objective, Precision
@@ -254,6 +255,13 @@ class Replica:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def settle(self, step_done: int) -> None:
+        """After an evaluation: worker 0 decides whether the run stops after this step (a callback
+        may have asked), and every worker reads the same decision."""
+        if self.rank == 0:
+            self.job.stop.decide(step_done)
+        self.reducer.barrier()
+
     def loss(self, totals: StepTotals) -> float:
         """The step's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""
         return totals.loss_sum / totals.count if self.objective.divides and totals.count > 0 else totals.loss_sum
@@ -277,7 +285,7 @@ class Replica:
         if self.rank != 0:
             self.buffers.adopt()
         keys = self.objective.eval_keys
-        start, stop = slice_bounds(len(dataset), self.global_workers, self.global_rank)
+        start, stop = slice_bounds(self.plan.evaluated_samples(len(dataset)), self.global_workers, self.global_rank)
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
         error = None
         try:
@@ -426,30 +434,31 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
                 diverged_at = done
                 break
             skipped += 1
-        end_of_epoch = done % plan.steps_per_epoch == 0
-        stopping = job.stop.stops_after(done)
-        if plan.checkpointing and (stopping or plan.checkpoint_due(done)):
-            beat("checkpoint")
-            send(("checkpoint", done, replica.state_part()))
-        if stopping:
-            stopped_at = done
-            break
-        if reporting and (done % plan.log_every == 0 or end_of_epoch or done == plan.total_steps):
+        stopping = job.stop.stops_after(done)  # a signal (or a callback) asked, and worker 0 decided
+        if not stopping and reporting and plan.logs_after(done):
             now = time.perf_counter()
             steps = done - last_log_step
             phase_ms = {p: 1000 * (timer.seconds[p] - last_log_phases[p]) / steps for p in PHASES}
-            send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, "loss": loss,
-                               "lr": replica.lr_used,
-                               "samples_per_sec": plan.samples(last_log_step, done) / (now - last_log_time),
-                               "phase_ms": phase_ms}))
+            send(Progress(done, done / plan.steps_per_epoch, loss, replica.lr_used,
+                          plan.samples(last_log_step, done) / (now - last_log_time), phase_ms))
             last_log_step, last_log_time, last_log_phases = done, now, dict(timer.seconds)
-        if plan.evaluate_each_epoch and (end_of_epoch or done == plan.total_steps):
+        if not stopping and plan.evaluates_after(done):
             eval_started = time.perf_counter()
             eval_metrics = replica.evaluate(job.eval_set, beat)
+            if reporting:
+                beat("sync")
+                send(Evaluation(done, done / plan.steps_per_epoch, eval_metrics))
+                job.stop.wait_for_acknowledgement(done)  # what the callbacks decide applies to this step
+            replica.settle(done)
             eval_seconds += time.perf_counter() - eval_started
             last_log_time += time.perf_counter() - eval_started
-            if reporting:
-                send(("progress", {"step": done, "epoch": done / plan.steps_per_epoch, **eval_metrics}))
+            stopping = job.stop.stops_after(done)
+        if plan.checkpointing and (stopping or plan.checkpoint_due(done) or job.stop.saves_at(done)):
+            beat("checkpoint")
+            send(CheckpointPart(done, replica.state_part()))
+        if stopping:
+            stopped_at = done
+            break
     train_seconds = time.perf_counter() - started - eval_seconds
     last = stopped_at or diverged_at or plan.total_steps
     if last > measure_from:

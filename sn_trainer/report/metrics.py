@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..callbacks import Callback
+
 log = logging.getLogger("sn_trainer")
 
 COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_sec", "eval_loss", "eval_accuracy")
 
 
-class ProgressLog:
-    """Receives the progress records rank 0 sends, as they arrive, in the launching process."""
+class ProgressLog(Callback):
+    """A callback: the progress and evaluations worker 0 sends, as they arrive, in the launching process."""
 
     def __init__(self, out_dir: str | Path, total_steps: int, show_bar: bool | None = None):
         self.path = Path(out_dir) / "metrics.csv"
@@ -30,7 +32,13 @@ class ProgressLog:
             self._bar = tqdm(total=total_steps, unit="step", ncols=width)
         self._step = 0
 
-    def __call__(self, record: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, record) -> None:
+        self.write(record.record())
+
+    def on_eval_end(self, trainer, evaluation) -> None:
+        self.write(evaluation.record())
+
+    def write(self, record: dict[str, Any]) -> None:
         self._csv.writerow(record)
         self._file.flush()
         if "eval_loss" in record:

@@ -10,12 +10,14 @@ from typing import Any
 
 import psutil
 
+from ..callbacks import Callback
+
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_sec": "speed/samples_per_sec",
            "tokens_per_sec": "speed/tokens_per_sec"}
 
 
-class TensorBoardLog:
-    """Receives the progress records rank 0 sends, as they arrive; writes events into ``out_dir``."""
+class TensorBoardLog(Callback):
+    """A callback: the progress and evaluations worker 0 sends, as events in ``out_dir``."""
 
     def __init__(self, out_dir: str | Path, tokens_per_sample: int | None = None):
         from torch.utils.tensorboard import SummaryWriter  # here: its import costs a second or two
@@ -24,7 +26,13 @@ class TensorBoardLog:
         self.tokens_per_sample = tokens_per_sample
         psutil.cpu_percent(percpu=True)  # starts the first per-core interval
 
-    def __call__(self, record: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, record) -> None:
+        self.write(record.record())
+
+    def on_eval_end(self, trainer, evaluation) -> None:
+        self.write(evaluation.record())
+
+    def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         for key, value in record.items():
             if value is None:

@@ -1,0 +1,47 @@
+"""What workers tell the launcher while they train: typed events, sent through each worker's pipe.
+
+Worker 0 sends ``Progress`` every ``log_every`` steps (and at each epoch's end and the last
+step) and ``Evaluation`` after each evaluation; every worker sends its ``CheckpointPart`` when a
+checkpoint is due. The launcher hands them to the run's callbacks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A logged step: where the run is, its loss, the learning rate it used, its speed."""
+
+    step: int
+    epoch: float
+    loss: float
+    lr: float | None
+    samples_per_sec: float
+    phase_ms: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """As a plain record (FitResult.history, on_log, metrics.csv)."""
+        return {"step": self.step, "epoch": self.epoch, "loss": self.loss, "lr": self.lr,
+                "samples_per_sec": self.samples_per_sec, "phase_ms": dict(self.phase_ms)}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation after ``step``: ``metrics`` as ``eval_<name>`` (``eval_error`` when it failed)."""
+
+    step: int
+    epoch: float
+    metrics: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, **self.metrics}
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """One worker's share of the checkpoint of ``step`` (packed tensors and plain data)."""
+
+    step: int
+    data: bytes

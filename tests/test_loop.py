@@ -1,0 +1,166 @@
+"""Shape the training loop: callbacks, evaluation every N steps, early stopping, the best checkpoint;
+each against an independent plain-PyTorch loop in float64 where it changes what is trained."""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import SmallConvNet, assert_exact, cross_entropy, plain_batches, tiny_dataset
+from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Trainer
+from sn_trainer import checkpoint
+from sn_trainer.checkpoint import CheckpointDir
+
+pytestmark = pytest.mark.timeout(240)
+F64 = torch.float64
+SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)
+
+
+def eval_loss(model, data) -> float:
+    """The plain evaluation loop: the whole set, in eval mode, the mean loss."""
+    inputs, targets = data.tensors
+    model.eval()
+    with torch.no_grad():
+        loss = F.cross_entropy(model(inputs), targets).item()
+    model.train()
+    return loss
+
+
+def plain_with_evaluations(model, train, evaluation, steps, every, patience=None, min_delta=0.0):
+    """A plain loop that evaluates every ``every`` steps (and after the last) and, with ``patience``,
+    stops as early stopping's rule says. Returns the model, the evaluations and the last step."""
+    opt = SGD(model.parameters())
+    losses, best, waited = [], None, 0
+    for step, batch in zip(range(1, steps + 1), plain_batches(train, 7, seed=3)):
+        opt.zero_grad()
+        cross_entropy(model, batch).backward()
+        opt.step()
+        if step % every == 0 or step == steps:
+            losses.append((step, eval_loss(model, evaluation)))
+            if patience is not None:
+                if best is None or losses[-1][1] < best - min_delta:
+                    best, waited = losses[-1][1], 0
+                else:
+                    waited += 1
+                    if waited >= patience:
+                        return model, losses, step
+    return model, losses, steps
+
+
+class Recorder(Callback):
+    """Writes down every hook it is called with, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_fit_start(self, trainer, plan):
+        self.calls.append(("fit_start", plan.total_steps))
+
+    def on_step_end(self, trainer, record):
+        self.calls.append(("step", record.step))
+
+    def on_eval_end(self, trainer, evaluation):
+        self.calls.append(("eval", evaluation.step, evaluation.metrics["eval_loss"]))
+
+    def on_checkpoint(self, trainer, path):
+        self.calls.append(("checkpoint", path.name))
+
+    def on_fit_end(self, trainer, result):
+        self.calls.append(("fit_end", result.steps))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_evaluation_every_n_steps_reports_what_a_plain_loop_measures(workers, tmp_path):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    train, evaluation = tiny_dataset(dtype=F64), tiny_dataset(n=30, seed=9, dtype=F64)
+    reference, losses, _ = plain_with_evaluations(copy.deepcopy(model), train, evaluation, steps=7, every=3)
+    recorder = Recorder()
+    result = Trainer(workers=workers, batch_size=7, max_steps=7, seed=3, eval_every=3, log_every=2,
+                     checkpoint_dir=str(tmp_path), checkpoint_every_steps=5).fit(
+        model, train, eval_set=evaluation, optimizer=SGD, callbacks=[recorder])
+    assert_exact(model, reference)
+    evaluations = [(c[1], c[2]) for c in recorder.calls if c[0] == "eval"]
+    assert [step for step, _ in evaluations] == [3, 6, 7] == [step for step, _ in losses]
+    for (_, mine), (_, theirs) in zip(evaluations, losses):
+        assert mine == pytest.approx(theirs, rel=1e-12)
+    assert recorder.calls[0] == ("fit_start", 7) and recorder.calls[-1] == ("fit_end", 7)
+    assert [c[1] for c in recorder.calls if c[0] == "step"] == [2, 4, 6, 7]
+    assert [c[1] for c in recorder.calls if c[0] == "checkpoint"] == ["step-000000005.pt", "step-000000007.pt"]
+    assert [r["step"] for r in result.history if "eval_loss" in r] == [3, 6, 7]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_early_stopping_stops_where_the_plain_loops_rule_does(workers, tmp_path):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    train, evaluation = tiny_dataset(dtype=F64), tiny_dataset(n=30, seed=9, dtype=F64)
+    rule = dict(patience=2, min_delta=0.02)
+    reference, losses, last = plain_with_evaluations(copy.deepcopy(model), train, evaluation, steps=40, every=2, **rule)
+    assert last < 40  # the rule did stop the plain loop
+    stopper = EarlyStopping(monitor="eval_loss", mode="min", **rule)
+    result = Trainer(workers=workers, batch_size=7, max_steps=40, seed=3, eval_every=2,
+                     checkpoint_dir=str(tmp_path)).fit(model, train, eval_set=evaluation, optimizer=SGD,
+                                                       callbacks=[stopper])
+    assert result.stopped_early == last == stopper.stopped_after and result.steps == last
+    assert_exact(model, reference)
+    assert CheckpointDir(tmp_path).latest().name == f"step-{last:09d}.pt"  # it stopped with a checkpoint
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_best_checkpoint_is_kept_beside_the_latest(workers, tmp_path):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    train, evaluation = tiny_dataset(dtype=F64), tiny_dataset(n=30, seed=9, dtype=F64)
+    _, losses, _ = plain_with_evaluations(copy.deepcopy(model), train, evaluation, steps=24, every=2)
+    best_step = min(losses, key=lambda item: item[1])[0]
+    assert best_step < 24  # the best evaluation is not the last one: the latest checkpoint is not the best
+    best = BestCheckpoint(monitor="eval_loss", mode="min")
+    Trainer(workers=workers, batch_size=7, max_steps=24, seed=3, eval_every=2, checkpoint_dir=str(tmp_path),
+            checkpoint_keep=1).fit(model, train, eval_set=evaluation, optimizer=SGD, callbacks=[best])
+    assert best.best_step == best_step and best.path == tmp_path / "best.pt"
+    assert [p.name for _, p in CheckpointDir(tmp_path).steps()] == ["step-000000024.pt"]  # keep=1 left best.pt
+    saved = checkpoint.load(tmp_path / "best.pt")
+    assert saved["step"] == best_step
+    torch.manual_seed(0)
+    reference, _, _ = plain_with_evaluations(SmallConvNet().double(), train, evaluation, steps=best_step, every=100)
+    for name, value in reference.state_dict().items():  # the weights the plain loop had at its best step
+        torch.testing.assert_close(saved["model"][name], value, rtol=1e-10, atol=1e-12)
+
+
+class StopsAtStep(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, trainer, record):
+        if record.step >= self.step:
+            trainer.should_stop = True
+
+
+def test_a_stop_asked_on_a_logged_step_ends_the_run_normally_soon_after(tmp_path):
+    result = Trainer(workers=2, batch_size=8, max_steps=200, log_every=1, checkpoint_dir=str(tmp_path)).fit(
+        SmallConvNet(), tiny_dataset(), optimizer=SGD, callbacks=[StopsAtStep(3)])
+    assert result.stopped_early is not None and 3 <= result.stopped_early < 200
+    assert CheckpointDir(tmp_path).latest().name == f"step-{result.stopped_early:09d}.pt"
+
+
+def test_callbacks_are_checked_and_a_missing_metric_is_named():
+    with pytest.raises(ConfigError, match="callbacks must be sn_trainer.Callback objects, got builtin_function"):
+        Trainer(workers=1, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(), callbacks=[print])
+    with pytest.raises(ConfigError, match="BestCheckpoint needs checkpoints: set checkpoint_dir"):
+        Trainer(workers=1, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(), callbacks=[BestCheckpoint()])
+    with pytest.raises(ConfigError, match=r"EarlyStopping monitors eval_f1, which evaluation does not report \(it "
+                                          r"reports eval_accuracy, eval_loss, eval_samples\)"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(), eval_set=tiny_dataset(),
+                                                          callbacks=[EarlyStopping(monitor="eval_f1")])
+
+
+def test_evaluation_can_be_bounded_to_its_first_batches():
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    evaluation = tiny_dataset(n=40, seed=9, dtype=F64)
+    metrics = Trainer(workers=2, batch_size=8, eval_batch_size=4, max_eval_batches=3).evaluate(model, evaluation)
+    first = torch.utils.data.TensorDataset(*(t[:12] for t in evaluation.tensors))
+    assert metrics["eval_samples"] == 12
+    assert metrics["eval_loss"] == pytest.approx(eval_loss(model, first), rel=1e-12)
