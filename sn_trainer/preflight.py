@@ -23,6 +23,7 @@ from . import loss_probe
 from .data.batching import fetch_batch, in_layout
 from .engine.layout import trainable_parameters
 from .engine.objective import MEAN, Objective, Precision
+from .engine.schedule import Schedule
 from .engine.state import group_params
 from .errors import UserCodeError
 from .optim import Groups
@@ -36,6 +37,7 @@ class Rehearsal:
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how the loss splits over samples
     optimizer_state_keys: tuple[str, ...] = ()  # what the optimizer keeps per parameter after a step
+    schedule_monitor: str | None = None  # the evaluation metric the scheduler steps on, if any
 
 
 @dataclass
@@ -54,11 +56,12 @@ class Script:
     channels_last: bool
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
     probe_singles: list[Any] = field(default_factory=list)
+    scheduler: Any = None  # scheduler(optimizer)
 
 
 def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
            eval_samples: int, objective: Objective, optimizer, groups: Groups, precision: str,
-           channels_last: bool) -> Script:
+           channels_last: bool, scheduler=None) -> Script:
     """Read one training slice of ``train_samples``, one evaluation slice of ``eval_samples``, and
     the samples the loss's form is measured on.
 
@@ -74,7 +77,7 @@ def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval
     group = _attempt("reading samples", lambda: fetch_batch(data, picked))
     singles = _attempt("reading samples", lambda: [fetch_batch(data, picked[i : i + 1]) for i in range(len(picked))])
     return Script(model, train, train_samples, evaluation, eval_samples, objective, optimizer, groups, precision,
-                  channels_last, group, singles)
+                  channels_last, group, singles, scheduler)
 
 
 def rehearse(s: Script) -> Rehearsal:
@@ -101,7 +104,8 @@ def rehearse(s: Script) -> Rehearsal:
                            lambda: loss_probe.measure(s.objective, replica, in_layout(s.probe_group, s.channels_last),
                                                       [in_layout(b, s.channels_last) for b in s.probe_singles]))
     s.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
-    optimizer_class, state_keys = _optimizer_step(s, params) if s.train_batch is not None else (None, ())
+    optimizer_class, state_keys, monitor = _optimizer_step(s, params) if s.train_batch is not None \
+        else (None, (), None)
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, s.channels_last)
@@ -109,19 +113,27 @@ def rehearse(s: Script) -> Rehearsal:
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
-    return Rehearsal(optimizer_class, eval_keys, finding, state_keys)
+    return Rehearsal(optimizer_class, eval_keys, finding, state_keys, monitor)
 
 
-def _optimizer_step(s: Script, params: list[torch.Tensor]) -> tuple[type | None, tuple[str, ...]]:
-    """The optimizer's class, and the state it keeps per parameter after a step."""
+def _optimizer_step(s: Script, params: list[torch.Tensor]) -> tuple[type | None, tuple[str, ...], str | None]:
+    """The optimizer's class, the state it keeps per parameter after a step, and the metric its
+    scheduler steps on (the scheduler is stepped at each of its points once)."""
     if s.optimizer is None:
-        return None, ()
+        return None, (), None
     built = _attempt("building the optimizer", lambda: s.optimizer(group_params(
         params, range(len(params)), s.groups.options, s.groups.slot_groups)))
     if _needs_closure(type(built)):
-        return type(built), ()
+        return type(built), (), None
     _attempt("the optimizer's step", built.step)
-    return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held}))
+    monitor = None
+    if s.scheduler is not None:
+        schedule = _attempt("building the scheduler", lambda: Schedule(s.scheduler(built), steps_per_epoch=1))
+        monitor = schedule.monitor if schedule.needs_metric else None
+        stand_in = {monitor: 1.0} if monitor else {}  # the evaluation's metric, before any evaluation ran
+        _attempt("stepping the scheduler", lambda: (schedule.after_step(1), schedule.after_evaluation(stand_in),
+                                                    schedule.after_epoch(1, stand_in)))
+    return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held})), monitor
 
 
 def rehearse_in_worker(s: Script, send) -> dict[str, Any]:

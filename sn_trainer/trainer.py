@@ -368,9 +368,10 @@ class Trainer:
         rehearsal = self._rehearse(preflight.script(
             model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, optimizer, groups,
-            placement.precision, channels_last))
+            placement.precision, channels_last, scheduler))
         objective.eval_keys = rehearsal.eval_keys
         objective.form = _loss_form(rehearsal.loss, objective, splits=placement.global_workers * cfg.accumulate > 1)
+        _check_monitor(rehearsal.schedule_monitor, objective.eval_keys, eval_set)
         kind = shard_kind(rehearsal.optimizer_class, cfg.shards)
         self._check_combinations(kind, len(train_set))
         layout = FlatLayout(model, placement.workers, channels_last, kind)
@@ -538,7 +539,8 @@ class Trainer:
         log.info("resuming from %s (step %d)", path, saved["step"])
         return {"step": saved["step"],
                 "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, slot_groups) if optimizer else {},
-                           "rng": saved["rng"][rank] if same_streams else None} for rank in range(self.workers)]}
+                           "rng": saved["rng"][rank] if same_streams else None, "schedule": saved.get("schedule")}
+                          for rank in range(self.workers)]}
 
     # --- evaluate ------------------------------------------------------------------------------
 
@@ -681,6 +683,23 @@ def _objective(loss_fn, step_fn, metric_fn) -> Objective:
     return Objective(loss_fn, step_fn, metric_fn)
 
 
+def _check_monitor(monitor: str | None, eval_keys: tuple[str, ...], eval_set) -> None:
+    """A scheduler that steps on an evaluation metric needs an evaluation that reports it.
+
+    Raises:
+        ConfigError: no evaluation set, or one whose evaluation does not report ``monitor``.
+    """
+    if monitor is None:
+        return
+    if eval_set is None:
+        raise ConfigError(f"the scheduler steps on {monitor} after each evaluation, and this run evaluates nothing: "
+                          "pass eval_set=..., or a scheduler that steps per step or epoch")
+    reported = [f"eval_{key}" for key in eval_keys]
+    if monitor not in reported:
+        raise ConfigError(f"the scheduler steps on {monitor}, which evaluation does not report (it reports "
+                          f"{', '.join(reported)}); set its monitor to one of those")
+
+
 def _loss_form(finding, objective: Objective, splits: bool) -> str:
     """The form a scalar loss is split by; a loss with no exact split is refused where it splits.
 
@@ -742,7 +761,8 @@ class _CheckpointWriter(Callback):
         if any(p["optimizer"] is not None for p in ordered):
             optimizer = state.gather([p["optimizer"] for p in ordered], self.layout, self.groups.slot_groups)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
-                                 {**self.facts, "workers": self.layout.world_size}, self.config)
+                                 {**self.facts, "workers": self.layout.world_size}, self.config,
+                                 ordered[0].get("schedule"))
         try:
             self.last_saved = self.directory.save(saved)
         except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from

@@ -232,7 +232,7 @@ def probe_replica(spec, send):
     replica.reducer.barrier()
     replica.reducer.grad_flat.fill_(1.0)
     replica.reducer.reduce()
-    replica.update(StepTotals(loss_sum=0.0, count=1.0, finite=True, unused=()))
+    replica.update(StepTotals(loss_sum=0.0, count=1.0, finite=True, unused=()), step_done=1)
     replica.reducer.barrier()
     report["state_numel"] = sum(t.numel() for state in replica.optimizer.state.values() for t in state.values()
                                 if torch.is_tensor(t) and t.dim() > 0)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import SmallConvNet, assert_exact, cross_entropy, plain_batches, tiny_dataset
-from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Trainer
+from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Trainer, UserCodeError
 from sn_trainer import checkpoint
 from sn_trainer.checkpoint import CheckpointDir
 
@@ -164,3 +164,97 @@ def test_evaluation_can_be_bounded_to_its_first_batches():
     first = torch.utils.data.TensorDataset(*(t[:12] for t in evaluation.tensors))
     assert metrics["eval_samples"] == 12
     assert metrics["eval_loss"] == pytest.approx(eval_loss(model, first), rel=1e-12)
+
+
+# --- schedulers of every kind ------------------------------------------------------------------------
+
+def plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+
+
+def cosine_per_epoch(optimizer):
+    return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3), "interval": "epoch"}
+
+
+def timm_cosine(optimizer):
+    from timm.scheduler import CosineLRScheduler
+
+    return CosineLRScheduler(optimizer, t_initial=3, warmup_t=1, warmup_lr_init=0.02)
+
+
+def plain_scheduled(model, train, evaluation, epochs, every, make):
+    """A plain loop stepping its scheduler as each kind's own users do: a plateau on the evaluation
+    loss after each evaluation, an epoch scheduler after each epoch, timm's step_update after each
+    step and step(epoch) after each epoch. Returns the model and the lr each step used."""
+    opt = SGD(model.parameters())
+    built = make(opt)
+    scheduler = built["scheduler"] if isinstance(built, dict) else built
+    used, step = [], 0
+    for epoch in range(epochs):
+        for batch in plain_loader_epoch(train, epoch):
+            used.append(opt.param_groups[0]["lr"])
+            opt.zero_grad()
+            cross_entropy(model, batch).backward()
+            opt.step()
+            step += 1
+            if hasattr(scheduler, "step_update"):
+                scheduler.step_update(num_updates=step)
+            if every and step % every == 0 and isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(eval_loss(model, evaluation))
+        if isinstance(built, dict) or hasattr(scheduler, "step_update"):
+            scheduler.step(epoch + 1) if hasattr(scheduler, "step_update") else scheduler.step()
+    return model, used
+
+
+def plain_loader_epoch(train, epoch):
+    from helpers import plain_loader
+
+    return plain_loader(train, 7, seed=3, epoch=epoch)
+
+
+@pytest.mark.parametrize("make, every", [(plateau, 4), (cosine_per_epoch, None), (timm_cosine, None)],
+                         ids=["plateau", "epoch-dict", "timm"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_every_kind_of_scheduler_follows_the_plain_loops_learning_rates(make, every, workers):
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    train, evaluation = tiny_dataset(dtype=F64), tiny_dataset(n=30, seed=9, dtype=F64)
+    reference, used = plain_scheduled(copy.deepcopy(model), train, evaluation, epochs=3, every=every, make=make)
+    assert len(set(used)) > 2  # the schedule did move
+    result = Trainer(workers=workers, batch_size=7, epochs=3, seed=3, log_every=1, eval_every=every).fit(
+        model, train, eval_set=evaluation if every else None, optimizer=SGD, scheduler=make)
+    assert [r["lr"] for r in result.history if "loss" in r] == pytest.approx(used, rel=1e-12)
+    assert_exact(model, reference)
+
+
+def test_a_scheduler_that_cannot_work_fails_before_any_worker_starts(no_leaks):
+    with pytest.raises(ConfigError, match=r"^the scheduler steps on eval_loss after each evaluation, and this run "
+                                          r"evaluates nothing: pass eval_set"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), tiny_dataset(), scheduler=plateau)
+    with pytest.raises(UserCodeError, match="building the scheduler failed before any worker started: ValueError: "
+                                            "a scheduler's interval is 'step' or 'epoch', got 'batch'"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(
+            SmallConvNet(), tiny_dataset(), scheduler=functools.partial(by_batch))
+
+
+def by_batch(optimizer):
+    return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1), "interval": "batch"}
+
+
+def test_a_plateau_scheduler_resumes_where_the_checkpoint_left_it(tmp_path):
+    def run(model, steps, **settings):
+        return Trainer(workers=2, batch_size=7, max_steps=steps, seed=3, eval_every=2, log_every=1,
+                       checkpoint_dir=str(tmp_path), checkpoint_every_steps=4, **settings).fit(
+            model, tiny_dataset(dtype=F64), eval_set=tiny_dataset(n=30, seed=9, dtype=F64), optimizer=SGD,
+            scheduler=plateau)
+
+    torch.manual_seed(0)
+    start = SmallConvNet().double()
+    whole = run(copy.deepcopy(start), 12, checkpoint_keep=10)
+    for path in sorted(tmp_path.iterdir())[1:]:
+        path.unlink()  # keep step 4's checkpoint only
+    resumed_model = copy.deepcopy(start)
+    resumed = run(resumed_model, 12, resume="latest")
+    lrs = {r["step"]: r["lr"] for r in whole.history if "loss" in r}
+    assert {r["step"]: r["lr"] for r in resumed.history if "loss" in r} == {s: lrs[s] for s in range(5, 13)}
+    assert len(set(lrs.values())) > 1

@@ -29,6 +29,7 @@ from .launch import Heartbeats, pack
 from .layout import FlatLayout
 from .objective import Objective, Precision
 from .plan import Plan
+from .schedule import Schedule
 from .shared import ReplicaBuffers
 from .signals import StopFlags
 from .state import group_params, optimizer_pieces
@@ -126,7 +127,7 @@ class Replica:
         if plan.sync_batchnorm:
             synchronise(self.model, self._waiting_sum)
 
-        self.optimizer, self.scheduler = self._build_optimizer(spec.resume)
+        self.optimizer, self.schedule = self._build_optimizer(spec.resume)
         self.lr_used: float | None = None  # by the last step's update
         if spec.resume is not None and spec.resume.get("rng") is not None:
             random_state.restore(spec.resume["rng"])  # same workers: same random streams
@@ -155,15 +156,17 @@ class Replica:
         if resume is not None:
             current = optimizer.state_dict()
             optimizer.load_state_dict({"state": resume["optimizer"], "param_groups": current["param_groups"]})
-        scheduler = job.scheduler(optimizer) if job.scheduler is not None else None
-        if scheduler is not None and self.plan.start_step:
-            # The run's own schedule, fast-forwarded to where it resumes: only the step count
-            # comes from the checkpoint, so a resume with more epochs follows the longer schedule.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for _ in range(self.plan.start_step):
-                    scheduler.step()
-        return optimizer, scheduler
+        schedule = Schedule(job.scheduler(optimizer), self.plan.steps_per_epoch) if job.scheduler else None
+        if schedule is not None and self.plan.start_step:
+            if schedule.plateau and resume and resume.get("schedule"):
+                schedule.load_state_dict(resume["schedule"])  # metric-driven: as the checkpoint left it
+            else:
+                # The run's own schedule, fast-forwarded to where it resumes: only the step count
+                # comes from the checkpoint, so a resume with more epochs follows the longer schedule.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    schedule.fast_forward(self.plan.start_step)
+        return optimizer, schedule
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over every worker of every node, in place."""
@@ -208,7 +211,7 @@ class Replica:
             if self.rank != 0:
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this step
             if totals.finite:
-                self.update(totals)
+                self.update(totals, step + 1)
         if self.rank == 0:
             self.job.stop.decide(step + 1)  # before the barrier: all workers read the same decision
         with timer("wait"):
@@ -232,8 +235,9 @@ class Replica:
             return dataclasses.replace(totals, loss_sum=math.nan, finite=False)
         return totals
 
-    def update(self, totals: StepTotals) -> None:
-        """Divide by the global count, clip by the global norm, then step this shard's optimizer."""
+    def update(self, totals: StepTotals, step_done: int) -> None:
+        """Divide by the global count, clip by the global norm, then step this shard's optimizer
+        (and its scheduler, where it steps per optimizer step)."""
         shard_grad = self.reducer.shard_grad
         if self.objective.divides:
             shard_grad.div_(totals.count)
@@ -252,8 +256,18 @@ class Replica:
             # so the optimizer leaves it alone (no decay, no momentum, no step count).
             param.grad = None if piece.slot in unused else grad
         self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self.schedule is not None:
+            self.schedule.after_step(step_done)
+
+    def scheduled_points(self, step_done: int, metrics: dict[str, Any] | None) -> None:
+        """The scheduler's other points after step ``step_done``: an evaluation's ``metrics`` (None:
+        none was made), the end of an epoch."""
+        if self.schedule is None:
+            return
+        if metrics is not None:
+            self.schedule.after_evaluation(metrics)
+        if step_done % self.plan.steps_per_epoch == 0:
+            self.schedule.after_epoch(step_done // self.plan.steps_per_epoch, metrics)
 
     def settle(self, step_done: int) -> None:
         """After an evaluation: worker 0 decides whether the run stops after this step (a callback
@@ -318,7 +332,7 @@ class Replica:
         """What this worker contributes to a checkpoint: its optimizer's state, its random state
         (and, from worker 0, the model's), as tensors and plain data."""
         part = {"rank": self.rank, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "rng": random_state.capture()}
+                "rng": random_state.capture(), "schedule": self.schedule.state_dict() if self.schedule else None}
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
@@ -442,9 +456,10 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             send(Progress(done, done / plan.steps_per_epoch, loss, replica.lr_used,
                           plan.samples(last_log_step, done) / (now - last_log_time), phase_ms))
             last_log_step, last_log_time, last_log_phases = done, now, dict(timer.seconds)
+        evaluated = None
         if not stopping and plan.evaluates_after(done):
             eval_started = time.perf_counter()
-            eval_metrics = replica.evaluate(job.eval_set, beat)
+            eval_metrics = evaluated = replica.evaluate(job.eval_set, beat)
             if reporting:
                 beat("sync")
                 send(Evaluation(done, done / plan.steps_per_epoch, eval_metrics))
@@ -453,6 +468,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             eval_seconds += time.perf_counter() - eval_started
             last_log_time += time.perf_counter() - eval_started
             stopping = job.stop.stops_after(done)
+        replica.scheduled_points(done, evaluated)
         if plan.checkpointing and (stopping or plan.checkpoint_due(done) or job.stop.saves_at(done)):
             beat("checkpoint")
             send(CheckpointPart(done, replica.state_part()))
