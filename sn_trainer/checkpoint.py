@@ -27,11 +27,13 @@ _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 
 def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[Any],
-          run: dict[str, Any], config: dict[str, Any] | None, schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+          run: dict[str, Any], config: dict[str, Any] | None, schedule: dict[str, Any] | None = None,
+          ema: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The checkpoint's contents (``optimizer`` as ``engine.state.gather`` gives it; ``schedule``: a
-    metric-driven scheduler's state, which a resume cannot replay)."""
+    metric-driven scheduler's state, which a resume cannot replay; ``ema``: the parameters'
+    moving average by name)."""
     return {"format": FORMAT, "version": VERSION, "step": step, "model": model, "optimizer": optimizer, "rng": rng,
-            "run": run, "config": config or {}, "schedule": schedule}
+            "run": run, "config": config or {}, "schedule": schedule, "ema": ema}
 
 
 def is_finite(checkpoint: dict[str, Any]) -> bool:

@@ -85,6 +85,9 @@ class TrainerConfig:
                                  "tests prove so, else full)")
     sync_batchnorm: bool = option(False, "batch norm statistics over the global batch (exact), instead of each "
                                          "worker's slice (like DDP)")
+    ema_decay: float | None = option(None, "keep an exponential moving average of the weights (ema = d x ema + (1 - "
+                                           "d) x weights after every step, each worker averaging its shard); "
+                                           "evaluation then also reports eval_ema_*")
     start_method: str = option("forkserver", "how workers start: `forkserver` (warm: forked from a server that "
                                              "has imported torch once per process) or `spawn` (a fresh interpreter "
                                              "each)")
@@ -144,6 +147,9 @@ class TrainerConfig:
         _require(isinstance(self.sync_batchnorm, bool),
                  f"sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
         _positive_int(self.bucket_kb, "bucket_kb", minimum=0)
+        _require(self.ema_decay is None or (isinstance(self.ema_decay, (int, float))
+                                            and not isinstance(self.ema_decay, bool) and 0 < self.ema_decay < 1),
+                 f"ema_decay must be between 0 and 1 (e.g. 0.999) or null, got {self.ema_decay!r}")
         _positive_int(self.eval_every, "eval_every", nullable=True)
         _positive_int(self.max_eval_batches, "max_eval_batches", nullable=True)
         _one_of(self.reduce, "reduce", REDUCE_MODES)

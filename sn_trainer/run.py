@@ -121,6 +121,8 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "test_loss": result.eval_loss,
         "test_accuracy": result.eval_accuracy,
         "test_perplexity": math.exp(result.eval_loss) if text and result.eval_loss is not None else None,
+        "test_ema_loss": result.eval_metrics.get("eval_ema_loss"),  # with ema_decay: of the averaged weights
+        "test_ema_accuracy": result.eval_metrics.get("eval_ema_accuracy"),
         "tokens_per_sec": result.samples_per_sec * data.block_size if text else None,
         "eval_error": result.eval_error,
         "other_cpu_percent": result.other_cpu_percent,

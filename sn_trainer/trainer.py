@@ -88,6 +88,7 @@ class FitResult:
     precision: str = "fp32"  # what ran (bf16 falls back to fp32 where the CPU has no native bf16)
     plan: dict[str, Any] = field(default_factory=dict)  # everything the run was resolved to
     stopped_early: int | None = None  # a callback stopped the run after this step (trainer.should_stop)
+    ema_state_dict: dict[str, Any] | None = None  # with ema_decay: the model's state_dict, averaged weights
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -393,8 +394,9 @@ class Trainer:
                     drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
                     total_steps=total_steps, clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan,
                     channels_last=channels_last, shards=kind, sync_batchnorm=cfg.sync_batchnorm,
-                    loss_form=objective.form, log_every=cfg.log_every, eval_batch_size=cfg.eval_batch_size,
-                    evaluates=eval_set is not None, eval_every=cfg.eval_every, max_eval_batches=cfg.max_eval_batches,
+                    ema_decay=cfg.ema_decay, loss_form=objective.form, log_every=cfg.log_every,
+                    eval_batch_size=cfg.eval_batch_size, evaluates=eval_set is not None, eval_every=cfg.eval_every,
+                    max_eval_batches=cfg.max_eval_batches,
                     measure_after=cfg.measure_after, checkpointing=directory is not None,
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
@@ -426,9 +428,10 @@ class Trainer:
                 plan = run.plan(resume["step"] if resume else 0)
                 try:
                     launcher_cpu = -_own_cpu_seconds()
-                    results, peak = self._run(run.model, run.layout, run.train_set, run.eval_set, run.objective,
-                                              run.optimizer, run.groups, run.scheduler, plan, relay, resume)
-                    return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts)
+                    results, peak, ema = self._run(run.model, run.layout, run.train_set, run.eval_set,
+                                                   run.objective, run.optimizer, run.groups, run.scheduler, plan,
+                                                   relay, resume)
+                    return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts, ema)
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
                         raise TrainingInterrupted(self._stop.signal, None, writer.last_saved) from failure
@@ -490,6 +493,7 @@ class Trainer:
             precision=placement.precision,
             plan=plan.summary(lead["comm"]),
             stopped_early=lead["stopped_at"],
+            ema_state_dict=outcome.ema_state_dict,
         )
 
     def _check_combinations(self, kind: str, dataset_size: int) -> None:
@@ -537,7 +541,10 @@ class Trainer:
         layout, slot_groups = run.layout, run.groups.slot_groups
         optimizer = checkpoint.optimizer_state(saved, [(s.name, s.shape) for s in layout.slots])
         log.info("resuming from %s (step %d)", path, saved["step"])
-        return {"step": saved["step"],
+        if self.config.ema_decay is not None and saved.get("ema") is None:
+            log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed",
+                        path)
+        return {"step": saved["step"], "ema": saved.get("ema"),
                 "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, slot_groups) if optimizer else {},
                            "rng": saved["rng"][rank] if same_streams else None, "schedule": saved.get("schedule")}
                           for rank in range(self.workers)]}
@@ -565,7 +572,8 @@ class Trainer:
                     dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
                     eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
                     worker_timeout=cfg.worker_timeout)
-        results, _ = self._run(model, layout, None, dataset, objective, None, Groups(None, (0,) * len(layout.slots)),
+        results, _, _ = self._run(model, layout, None, dataset, objective, None,
+                                  Groups(None, (0,) * len(layout.slots)),
                                None, plan, None, None)
         return {k: v for k, v in results[0].items() if k != "comm"}
 
@@ -592,7 +600,8 @@ class Trainer:
              plan: Plan, relay, resume, target=run_worker):
         placement = plan.placement
         rendezvous_dir = _rendezvous_dir()
-        shared = SharedParams(model, layout)
+        shared = SharedParams(model, layout, ema=plan.ema_decay is not None,
+                              ema_values=resume.get("ema") if resume else None)
         try:
             for dataset in (train_set, eval_set):
                 if dataset is not None:
@@ -609,7 +618,7 @@ class Trainer:
                       objective=objective, optimizer=optimizer, group_options=groups.options,
                       slot_groups=groups.slot_groups, scheduler=scheduler,
                       board=Board.allocate(placement.workers, len(layout.slots), buffer_count(model)), stop=self._stop,
-                      heartbeats=heartbeats, shm=shm)
+                      heartbeats=heartbeats, shm=shm, ema=shared.ema)
             specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
                                 resume=resume["ranks"][r] if resume else None, cluster=self.cluster)
                      for r in range(placement.workers)]
@@ -618,7 +627,8 @@ class Trainer:
             results = launch(target, specs, on_message=relay, stop=self._stop, where=where,
                              watchdog=Watchdog(heartbeats, plan.worker_timeout, on_tick=peak),
                              start_method=placement.start_method, runtime=placement.runtime)
-            return results, peak.peak_bytes
+            ema = shared.ema_state_dict(model, layout) if shared.ema is not None else None
+            return results, peak.peak_bytes, ema
         finally:
             SharedParams.release(model)
             shutil.rmtree(rendezvous_dir, ignore_errors=True)
@@ -657,6 +667,7 @@ class _Outcome:
     peak: int
     launcher_cpu: float
     restarts: int
+    ema_state_dict: dict[str, torch.Tensor] | None = None
 
 
 OTHERS_WARNING_PERCENT = 5.0
@@ -762,7 +773,7 @@ class _CheckpointWriter(Callback):
             optimizer = state.gather([p["optimizer"] for p in ordered], self.layout, self.groups.slot_groups)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
                                  {**self.facts, "workers": self.layout.world_size}, self.config,
-                                 ordered[0].get("schedule"))
+                                 ordered[0].get("schedule"), ordered[0].get("ema"))
         try:
             self.last_saved = self.directory.save(saved)
         except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from

@@ -258,3 +258,47 @@ def test_a_plateau_scheduler_resumes_where_the_checkpoint_left_it(tmp_path):
     lrs = {r["step"]: r["lr"] for r in whole.history if "loss" in r}
     assert {r["step"]: r["lr"] for r in resumed.history if "loss" in r} == {s: lrs[s] for s in range(5, 13)}
     assert len(set(lrs.values())) > 1
+
+
+# --- a moving average of the weights, sharded -----------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_ema_equals_torchs_averaged_model_updated_after_every_step(workers):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    train, evaluation = tiny_dataset(dtype=F64), tiny_dataset(n=30, seed=9, dtype=F64)
+    reference = copy.deepcopy(model)
+    averaged = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    averaged.update_parameters(reference)  # from the initial weights
+    opt = SGD(reference.parameters())
+    for _, batch in zip(range(10), plain_batches(train, 7, seed=3)):
+        opt.zero_grad()
+        cross_entropy(reference, batch).backward()
+        opt.step()
+        averaged.update_parameters(reference)
+    result = Trainer(workers=workers, batch_size=7, max_steps=10, seed=3, ema_decay=0.9).fit(
+        model, train, eval_set=evaluation, optimizer=SGD)
+    assert_exact(model, reference)  # the live weights train as without it
+    ema = copy.deepcopy(model)
+    ema.load_state_dict(result.ema_state_dict)
+    assert_exact(ema, averaged.module)
+    assert result.eval_metrics["eval_ema_loss"] == pytest.approx(eval_loss(averaged.module, evaluation), rel=1e-12)
+    assert result.eval_loss == pytest.approx(eval_loss(reference, evaluation), rel=1e-12)
+
+
+def test_the_ema_is_checkpointed_and_resumed(tmp_path):
+    def run(model, **settings):
+        return Trainer(workers=2, batch_size=7, max_steps=10, seed=3, ema_decay=0.8, checkpoint_dir=str(tmp_path),
+                       checkpoint_every_steps=4, **settings).fit(model, tiny_dataset(dtype=F64), optimizer=SGD)
+
+    torch.manual_seed(0)
+    start = SmallConvNet().double()
+    whole = run(copy.deepcopy(start), checkpoint_keep=10)
+    assert checkpoint.load(tmp_path / "step-000000004.pt")["ema"]["fc.weight"].shape == (3, 144)
+    for path in sorted(tmp_path.iterdir())[1:]:
+        path.unlink()  # keep step 4's checkpoint only
+    resumed = run(copy.deepcopy(start), resume="latest")
+    for name, value in whole.ema_state_dict.items():
+        torch.testing.assert_close(resumed.ema_state_dict[name], value, rtol=0, atol=0)

@@ -149,6 +149,12 @@ class FlatLayout:
         slot = self.slots[index]
         return view(stored.reshape(-1), 0, slot.shape, slot.channels_last).contiguous()
 
+    def by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every parameter's values in ``flat`` (laid out as this layout lays them), by name, each
+        a contiguous tensor of its own shape."""
+        return {slot.name: self.to_logical(index, flat[slot.offset : slot.stop]).clone()
+                for index, slot in enumerate(self.slots)}
+
     def to_stored(self, index: int, logical: torch.Tensor) -> torch.Tensor:
         """The inverse of ``to_logical``: 1-d, in the order the flat buffer stores it."""
         slot = self.slots[index]

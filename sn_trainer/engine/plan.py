@@ -52,6 +52,7 @@ class Plan:
     channels_last: bool = False
     shards: str = "elements"  # or "tensors": whole parameters per worker
     sync_batchnorm: bool = False
+    ema_decay: float | None = None  # a moving average of the parameters, each worker averaging its shard
     loss_form: str = "mean"  # how a scalar loss splits over samples (engine.objective's forms)
     log_every: int = 100
     eval_batch_size: int = 512
@@ -119,7 +120,7 @@ class Plan:
                 "comm": comm_used or p.comm, "reduce": p.reduce, "precision": p.precision, "allocator": p.allocator,
                 "openmp": p.openmp, "start_method": p.start_method,
                 "channels_last": self.channels_last, "shards": self.shards, "sync_batchnorm": self.sync_batchnorm,
-                "loss_form": self.loss_form,
+                "ema_decay": self.ema_decay, "loss_form": self.loss_form,
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
                 "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                 "start_step": self.start_step, "notes": [*p.notes, *self.notes]}

@@ -15,7 +15,8 @@ class SharedParams:
     Buffers (e.g. batch-norm statistics) are moved to shared memory in place.
     """
 
-    def __init__(self, model: nn.Module, layout: FlatLayout):
+    def __init__(self, model: nn.Module, layout: FlatLayout, ema: bool = False,
+                 ema_values: dict[str, torch.Tensor] | None = None):
         params = layout.parameters(model)
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
@@ -29,6 +30,20 @@ class SharedParams:
         layout.bind(model, self.flat, copy_values=True)
         for buf in model.buffers():
             buf.share_memory_()
+        # The moving average of the parameters, laid out as they are (each worker averages its shard):
+        # from the parameters themselves, or from where a checkpoint left it.
+        self.ema = self.flat.clone().share_memory_() if ema else None
+        if self.ema is not None and ema_values is not None:
+            for index, slot in enumerate(layout.slots):
+                layout.view(self.ema, index).copy_(ema_values[slot.name])
+
+    def ema_state_dict(self, model: nn.Module, layout: FlatLayout) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with the averaged parameters (and the model's own buffers)."""
+        layout.bind(model, self.ema)
+        try:
+            return {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
+        finally:
+            layout.bind(model, self.flat)
 
     @staticmethod
     def release(model: nn.Module) -> None:

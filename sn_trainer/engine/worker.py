@@ -56,6 +56,7 @@ class Job:
     stop: StopFlags
     heartbeats: Heartbeats
     shm: ShmBuffers | None = None
+    ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
 
 
 @dataclass
@@ -256,6 +257,10 @@ class Replica:
             # so the optimizer leaves it alone (no decay, no momentum, no step count).
             param.grad = None if piece.slot in unused else grad
         self.optimizer.step()
+        if self.job.ema is not None:  # this shard's average: 1/W of the work in each worker
+            shard = self.layout.shards[self.rank]
+            self.job.ema[shard.start : shard.stop].lerp_(self.job.flat[shard.start : shard.stop],
+                                                        1 - self.plan.ema_decay)
         if self.schedule is not None:
             self.schedule.after_step(step_done)
 
@@ -287,8 +292,23 @@ class Replica:
 
     # --- evaluation and state ------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, dataset: Dataset, beat: Callable[[str], None]) -> dict[str, Any]:
+        """``eval_*`` of the weights, and, with ema_decay, ``eval_ema_*`` of their moving average
+        (the model's parameters pointed at it for the while)."""
+        metrics = self.evaluate_weights(dataset, beat)
+        if self.job.ema is None or "eval_error" in metrics:
+            return metrics
+        self.layout.bind(self.model, self.job.ema)
+        try:
+            averaged = self.evaluate_weights(dataset, beat)
+        finally:
+            self.layout.bind(self.model, self.job.flat)
+        if "eval_error" in averaged:
+            return {**metrics, "eval_error": averaged["eval_error"]}
+        return {**metrics, **{f"eval_ema_{k[5:]}": v for k, v in averaged.items() if k != "eval_samples"}}
+
+    @torch.no_grad()
+    def evaluate_weights(self, dataset: Dataset, beat: Callable[[str], None]) -> dict[str, Any]:
         """Exact loss and metrics over the whole of ``dataset``, each worker taking a slice.
 
         A failure in any worker's evaluation is reported, not raised: the training is kept. Every
@@ -336,6 +356,7 @@ class Replica:
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
+            part["ema"] = self.layout.by_name(self.job.ema) if self.job.ema is not None else None
         return pack(part)
 
     def close(self) -> None:
