@@ -8,12 +8,12 @@ from .errors import (CheckpointError, ConfigError, DataError, InputError, Traini
                      UserCodeError, WorkerFailed)
 
 __all__ = ["BestCheckpoint", "Callback", "CheckpointError", "Cluster", "ConfigError", "DataError", "EarlyStopping",
-           "FitResult", "InputError", "Trainer", "TrainingDiverged", "TrainingInterrupted", "UserCodeError",
+           "FitResult", "InputError", "Phase", "Trainer", "TrainingDiverged", "TrainingInterrupted", "UserCodeError",
            "WorkerFailed", "warm_up"]
 __version__ = "0.2.0"
 
 _LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster", "Callback": ".callbacks",
-         "EarlyStopping": ".callbacks", "BestCheckpoint": ".callbacks"}
+         "EarlyStopping": ".callbacks", "BestCheckpoint": ".callbacks", "Phase": ".phase"}
 
 
 def __getattr__(name: str):

@@ -208,22 +208,47 @@ def check_model(checkpoint: dict[str, Any], model: nn.Module, path: str | os.Pat
                                   f"{tuple(theirs[name].shape)} there, {tuple(mine[name].shape)} here")
 
 
-def check_optimizer(checkpoint: dict[str, Any], keys: tuple[str, ...], optimizer_name: str,
+def check_optimizer(held: dict[str, Any] | None, keys: tuple[str, ...], optimizer_name: str,
                     path: str | os.PathLike) -> None:
     """Refuse a checkpoint whose optimizer kept other state than this run's optimizer keeps.
 
-    ``keys`` are what this run's optimizer holds per parameter after a step (the preflight's). An
-    optimizer that keeps nothing (SGD without momentum) resumes from any: it reads no state.
+    ``held`` is one phase's saved optimizer state; ``keys`` are what this run's optimizer holds
+    per parameter after a step (the preflight's). An optimizer that keeps nothing (SGD without
+    momentum) resumes from any: it reads no state.
 
     Raises:
         CheckpointError: both keep state, under other keys (it was written with another optimizer).
     """
-    saved = checkpoint.get("optimizer") or {}
-    theirs = sorted({str(k) for held in (saved.get("state") or {}).values() for k in held})
+    theirs = sorted({str(k) for state in ((held or {}).get("state") or {}).values() for k in state})
     if theirs and keys and theirs != sorted(keys):
         raise CheckpointError(f"{path} holds optimizer state {{{', '.join(theirs)}}}, and this run's "
                               f"{optimizer_name} keeps {{{', '.join(sorted(keys))}}}: it was written with another "
                               "optimizer; resume with that one, or start afresh without resume")
+
+
+def phase_entries(optimizers: list[dict[str, Any] | None],
+                  schedules: list[dict[str, Any] | None]) -> tuple[Any, Any]:
+    """How a checkpoint holds each phase's optimizer and scheduler state: as they are for one phase
+    (the format of version 2), as lists for several."""
+    if len(optimizers) == 1:
+        return optimizers[0], schedules[0]
+    return optimizers, schedules
+
+
+def phase_states(checkpoint: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]], phases: int,
+                 path: str | os.PathLike) -> tuple[list[dict[str, Any] | None], list[dict[str, Any] | None]]:
+    """Each phase's optimizer state (per parameter name) and scheduler state.
+
+    Raises:
+        CheckpointError: it was written with another number of phases.
+    """
+    held, schedule = optimizer_state(checkpoint, shapes), checkpoint.get("schedule")
+    optimizers = held if isinstance(held, list) else [held]
+    schedules = schedule if isinstance(schedule, list) else [schedule] * len(optimizers)
+    if len(optimizers) != phases:
+        raise CheckpointError(f"{path} was written by a run of {len(optimizers)} optimizers (phases), this run has "
+                              f"{phases}; resume with the same phases, or start afresh without resume")
+    return optimizers, schedules
 
 
 def optimizer_state(checkpoint: dict[str, Any], shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any] | None:

@@ -62,9 +62,9 @@ class Groups:
 def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_groups: Callable | None) -> Groups:
     """Call ``param_groups(model)`` and map its groups onto the trainable parameters.
 
-    It may return groups in torch.optim's format (dicts with "params" and options) or an
-    optimizer built from them (as nanoGPT's ``configure_optimizers`` does); then its class
-    becomes the factory, unless one is given.
+    It may return groups in torch.optim's format (dicts with "params" and options), parameters
+    (one group without options), or an optimizer built from them (as nanoGPT's
+    ``configure_optimizers`` does); then its class becomes the factory, unless one is given.
 
     A frozen parameter of the model (``requires_grad=False``) in a group is left out, as
     torch.optim never steps it (it never has a gradient).
@@ -80,9 +80,17 @@ def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_gr
     if isinstance(result, torch.optim.Optimizer):
         factory, result = functools.partial(type(result)), result.param_groups
     groups = list(result)
+    if groups and all(isinstance(g, torch.Tensor) for g in groups):  # parameters, not groups: one group, no options
+        return Groups(None, _membership(model, trainable, [{"params": groups}]), factory)
     if not groups or not all(isinstance(g, dict) and "params" in g for g in groups):
         raise ConfigError("param_groups(model) must return groups as torch.optim takes them: a list of dicts, "
                           "each with 'params' and its options (or an optimizer built from them)")
+    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return Groups(options, _membership(model, trainable, groups), factory)
+
+
+def _membership(model: nn.Module, trainable: Sequence[nn.Parameter], groups: list[dict]) -> tuple[int | None, ...]:
+    """Each trainable parameter's group (None: in none); frozen parameters of the model are left out."""
     index = {id(p): i for i, p in enumerate(trainable)}
     frozen = {id(p) for p in model.parameters() if not p.requires_grad}
     slot_groups: list[int | None] = [None] * len(trainable)
@@ -98,8 +106,7 @@ def resolve_groups(model: nn.Module, trainable: Sequence[nn.Parameter], param_gr
                 raise ConfigError(f"param_groups: a parameter of shape {tuple(p.shape)} is in groups "
                                   f"{slot_groups[index[id(p)]]} and {g}; put each parameter in one group")
             slot_groups[index[id(p)]] = g
-    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    return Groups(options, tuple(slot_groups), factory)
+    return tuple(slot_groups)
 
 
 # --- the command line's optimizers and schedules ---------------------------------------------------

@@ -23,21 +23,29 @@ from . import loss_probe
 from .data.batching import fetch_batch, in_layout
 from .engine.layout import trainable_parameters
 from .engine.objective import MEAN, Objective, Precision
+from .engine.phases import JobPhase
 from .engine.schedule import Schedule
 from .engine.state import group_params
 from .errors import UserCodeError
-from .optim import Groups
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
 
 
 @dataclass(frozen=True)
-class Rehearsal:
+class PhaseRehearsal:
+    """What one phase's rehearsal found."""
+
     optimizer_class: type | None  # what the factory builds; None without an optimizer
-    eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how the loss splits over samples
     optimizer_state_keys: tuple[str, ...] = ()  # what the optimizer keeps per parameter after a step
     schedule_monitor: str | None = None  # the evaluation metric the scheduler steps on, if any
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    phases: tuple[PhaseRehearsal, ...]  # each phase's, in order
+    eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
+    loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how evaluation's loss splits (with no phase to train)
 
 
 @dataclass
@@ -49,19 +57,17 @@ class Script:
     train_samples: int
     eval_batch: Any
     eval_samples: int
-    objective: Objective
-    optimizer: Any
-    groups: Groups
+    objective: Objective  # evaluation's
+    phases: list[JobPhase]  # what training runs, each phase in turn
     precision: str
     channels_last: bool
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
     probe_singles: list[Any] = field(default_factory=list)
-    scheduler: Any = None  # scheduler(optimizer)
 
 
 def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
-           eval_samples: int, objective: Objective, optimizer, groups: Groups, precision: str,
-           channels_last: bool, scheduler=None) -> Script:
+           eval_samples: int, objective: Objective, phases: list[JobPhase], precision: str,
+           channels_last: bool) -> Script:
     """Read one training slice of ``train_samples``, one evaluation slice of ``eval_samples``, and
     the samples the loss's form is measured on.
 
@@ -76,14 +82,15 @@ def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval
     picked = torch.linspace(0, len(data) - 1, min(PROBE_SAMPLES, len(data))).round().long().unique()
     group = _attempt("reading samples", lambda: fetch_batch(data, picked))
     singles = _attempt("reading samples", lambda: [fetch_batch(data, picked[i : i + 1]) for i in range(len(picked))])
-    return Script(model, train, train_samples, evaluation, eval_samples, objective, optimizer, groups, precision,
-                  channels_last, group, singles, scheduler)
+    return Script(model, train, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
+                  group, singles)
 
 
 def rehearse(s: Script) -> Rehearsal:
-    """Forward, loss and backward on the training slice, the loss's form (``loss_probe``, on the
-    weights before any step), an optimizer step, then evaluation of the other slice, on a copy
-    of the model in the modes the user left its modules in.
+    """For each phase in turn: forward, loss and backward on the training slice, the loss's form
+    (``loss_probe``, on the weights before the phase's step), an optimizer step and its scheduler;
+    then evaluation of the other slice. On a copy of the model, in the modes the user left its
+    modules in.
 
     Raises:
         UserCodeError: any of them raised; the message carries the user's traceback.
@@ -92,20 +99,23 @@ def rehearse(s: Script) -> Rehearsal:
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
     how = Precision(s.precision)
-
-    if s.train_batch is not None:
-        batch = in_layout(s.train_batch, s.channels_last)
-        loss_sum, _ = _attempt(f"the training step (on a first slice of {s.train_samples} samples)",
-                               lambda: s.objective.train_terms(replica, batch, s.train_samples, how, dtype))
-        _attempt("the backward pass", loss_sum.backward)
-    finding = loss_probe.Finding(MEAN)
-    if s.probe_group is not None:
-        finding = _attempt("measuring how the loss splits over samples (eval mode, one sample at a time)",
-                           lambda: loss_probe.measure(s.objective, replica, in_layout(s.probe_group, s.channels_last),
-                                                      [in_layout(b, s.channels_last) for b in s.probe_singles]))
-    s.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
-    optimizer_class, state_keys, monitor = _optimizer_step(s, params) if s.train_batch is not None \
-        else (None, (), None)
+    phases = []
+    for phase in s.phases:
+        prefix = f"phase {phase.name!r}: " if len(s.phases) > 1 else ""
+        if s.train_batch is not None:
+            batch = in_layout(s.train_batch, s.channels_last)
+            loss_sum, _ = _attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
+                                   lambda: phase.objective.train_terms(replica, batch, s.train_samples, how, dtype))
+            _attempt(f"{prefix}the backward pass", loss_sum.backward)
+        finding = _probe(s, phase.objective, replica, prefix)
+        phase.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
+        optimizer_class, state_keys, monitor = _optimizer_step(phase, params, prefix) \
+            if s.train_batch is not None else (None, (), None)
+        for p in params:
+            p.grad = None
+        phases.append(PhaseRehearsal(optimizer_class, finding, state_keys, monitor))
+    finding = phases[0].loss if phases else _probe(s, s.objective, replica, "")
+    s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, s.channels_last)
@@ -113,26 +123,40 @@ def rehearse(s: Script) -> Rehearsal:
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
-    return Rehearsal(optimizer_class, eval_keys, finding, state_keys, monitor)
+    return Rehearsal(tuple(phases), eval_keys, finding)
 
 
-def _optimizer_step(s: Script, params: list[torch.Tensor]) -> tuple[type | None, tuple[str, ...], str | None]:
+def _probe(s: Script, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:
+    if s.probe_group is None:
+        return loss_probe.Finding(MEAN)
+    return _attempt(f"{prefix}measuring how the loss splits over samples (eval mode, one sample at a time)",
+                    lambda: loss_probe.measure(objective, replica, in_layout(s.probe_group, s.channels_last),
+                                               [in_layout(b, s.channels_last) for b in s.probe_singles]))
+
+
+def _optimizer_step(phase: JobPhase, params: list[torch.Tensor],
+                    prefix: str) -> tuple[type | None, tuple[str, ...], str | None]:
     """The optimizer's class, the state it keeps per parameter after a step, and the metric its
     scheduler steps on (the scheduler is stepped at each of its points once)."""
-    if s.optimizer is None:
+    if phase.optimizer is None:
         return None, (), None
-    built = _attempt("building the optimizer", lambda: s.optimizer(group_params(
-        params, range(len(params)), s.groups.options, s.groups.slot_groups)))
+    built = _attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
+        params, range(len(params)), phase.group_options, phase.slot_groups)))
     if _needs_closure(type(built)):
         return type(built), (), None
-    _attempt("the optimizer's step", built.step)
+    _attempt(f"{prefix}the optimizer's step", built.step)
     monitor = None
-    if s.scheduler is not None:
-        schedule = _attempt("building the scheduler", lambda: Schedule(s.scheduler(built), steps_per_epoch=1))
+    if phase.scheduler is not None:
+        schedule = _attempt(f"{prefix}building the scheduler",
+                            lambda: Schedule(phase.scheduler(built), steps_per_epoch=1))
         monitor = schedule.monitor if schedule.needs_metric else None
         stand_in = {monitor: 1.0} if monitor else {}  # the evaluation's metric, before any evaluation ran
-        _attempt("stepping the scheduler", lambda: (schedule.after_step(1), schedule.after_evaluation(stand_in),
-                                                    schedule.after_epoch(1, stand_in)))
+        def every_point():
+            schedule.after_step(1)
+            schedule.after_evaluation(stand_in)
+            schedule.after_epoch(1, stand_in)
+
+        _attempt(f"{prefix}stepping the scheduler", every_point)
     return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held})), monitor
 
 

@@ -42,6 +42,7 @@ from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, trainable_parameters
 from .engine.objective import MEAN, Objective
+from .engine.phases import JobPhase
 from .engine.plan import Placement, Plan
 from .engine.runtime import Runtime, available_allocators, available_openmps
 from .engine.shared import SharedParams, buffer_count
@@ -49,7 +50,8 @@ from .engine.signals import StopFlags, graceful_stop
 from .engine.topology import auto_workers, plan_pinning, read_topology
 from .engine.worker import PHASES, Job, WorkerSpec, run_worker
 from .errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, UserCodeError, WorkerFailed
-from .optim import Groups, resolve_groups, shard_kind
+from .optim import resolve_groups, shard_kind
+from .phase import Phase
 from .report.machine import bf16_supported
 from .report.memory import PeakMemory
 
@@ -292,6 +294,7 @@ class Trainer:
         metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
         param_groups: Callable[[nn.Module], Any] | None = None,
         callbacks: list[Callback] | None = None,
+        phases: list[Phase] | None = None,
     ) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
@@ -315,6 +318,10 @@ class Trainer:
                 optimizer built from them); called here, once.
             callbacks: ``sn_trainer.Callback`` objects, called here as the run's events arrive;
                 one may end the run early (``trainer.should_stop = True``).
+            phases: ``sn_trainer.Phase`` objects, each with its step function, parameters,
+                optimizer and scheduler, updated in turn every step (a GAN's D, then G); instead
+                of loss_fn/step_fn, param_groups, optimizer and scheduler. Evaluation computes the
+                first phase's loss and metric_fn's metrics.
         Raises:
             ConfigError: bad arguments, or a scalar loss that cannot be split exactly where the
                 run splits it, before any process starts.
@@ -327,7 +334,7 @@ class Trainer:
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []), *(callbacks or [])])
         run = self._resolve(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
-                            param_groups, run_config)
+                            param_groups, run_config, phases)
         writer = _CheckpointWriter(run, hooks)
         hooks = Callbacks([writer, *hooks.callbacks])
         self.should_stop = self.should_checkpoint = False
@@ -338,12 +345,20 @@ class Trainer:
         return result
 
     def _resolve(self, model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
-                 run_config) -> "_Run":
+                 run_config, phases) -> "_Run":
         """Check everything, rehearse the user's code on one micro-batch, and decide every setting
         of the run once."""
         cfg = self.config
         placement = self.placement = self._place_for(model)
-        objective = _objective(loss_fn, step_fn, metric_fn)
+        if phases:
+            given = [name for name, value in (("loss_fn", loss_fn), ("step_fn", step_fn), ("optimizer", optimizer),
+                                              ("scheduler", scheduler), ("param_groups", param_groups)) if value]
+            if given:
+                raise ConfigError(f"give phases or {', '.join(given)}, not both: each Phase brings its step_fn, "
+                                  "params, optimizer and scheduler")
+            objective = Objective(step_fn=phases[0].step_fn, metric_fn=metric_fn)
+        else:
+            objective = _objective(loss_fn, step_fn, metric_fn)
         check_sample(train_set, "train_set", lambda item: objective.accepts(item, model))
         if eval_set is not None:
             check_sample(eval_set, "eval_set", lambda item: objective.accepts(item, model))
@@ -358,22 +373,27 @@ class Trainer:
             log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
                         "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
                         "before fit to train with them")
-        groups = resolve_groups(model, trainable, param_groups)
-        optimizer = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+        job_phases = _job_phases(model, trainable, phases, objective, optimizer, param_groups, scheduler)
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
-                          (optimizer, "the optimizer factory"), (scheduler, "the scheduler factory"),
-                          (groups.options, "the parameter groups' options"), (train_set, "train_set"),
-                          (eval_set, "eval_set")):
+                          (train_set, "train_set"), (eval_set, "eval_set")):
             _check_sendable(obj, what)
+        for phase in job_phases:
+            where = f"phase {phase.name!r}: " if phases else ""
+            for obj, what in ((phase.objective, "the step function"), (phase.optimizer, "the optimizer factory"),
+                              (phase.scheduler, "the scheduler factory"),
+                              (phase.group_options, "the parameter groups' options")):
+                _check_sendable(obj, where + what)
         channels_last = self._channels_last(model)
         rehearsal = self._rehearse(preflight.script(
             model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
-            min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, optimizer, groups,
-            placement.precision, channels_last, scheduler))
+            min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, job_phases,
+            placement.precision, channels_last))
         objective.eval_keys = rehearsal.eval_keys
-        objective.form = _loss_form(rehearsal.loss, objective, splits=placement.global_workers * cfg.accumulate > 1)
-        _check_monitor(rehearsal.schedule_monitor, objective.eval_keys, eval_set)
-        kind = shard_kind(rehearsal.optimizer_class, cfg.shards)
+        splits = placement.global_workers * cfg.accumulate > 1
+        for phase, found in zip(job_phases, rehearsal.phases):
+            phase.objective.form = _loss_form(found.loss, phase.objective, splits)
+            _check_monitor(found.schedule_monitor, objective.eval_keys, eval_set)
+        kind = max((shard_kind(found.optimizer_class, cfg.shards) for found in rehearsal.phases), key=SHARD_KINDS.index)
         self._check_combinations(kind, len(train_set))
         layout = FlatLayout(model, placement.workers, channels_last, kind)
 
@@ -395,14 +415,15 @@ class Trainer:
                     total_steps=total_steps, clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan,
                     channels_last=channels_last, shards=kind, sync_batchnorm=cfg.sync_batchnorm,
                     ema_decay=cfg.ema_decay, loss_form=objective.form, log_every=cfg.log_every,
+                    phases=tuple((phase.name, phase.objective.form) for phase in job_phases) if phases else (),
                     eval_batch_size=cfg.eval_batch_size, evaluates=eval_set is not None, eval_every=cfg.eval_every,
                     max_eval_batches=cfg.max_eval_batches,
                     measure_after=cfg.measure_after, checkpointing=directory is not None,
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
                     profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
-        return _Run(model=model, train_set=train_set, eval_set=eval_set, objective=objective, optimizer=optimizer,
-                    scheduler=scheduler, groups=groups, layout=layout, rehearsal=rehearsal, first_plan=plan,
+        return _Run(model=model, train_set=train_set, eval_set=eval_set, objective=objective, phases=job_phases,
+                    layout=layout, rehearsal=rehearsal, first_plan=plan,
                     directory=directory, resume_from=resume_from, facts=facts, run_config=run_config,
                     initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
 
@@ -429,8 +450,7 @@ class Trainer:
                 try:
                     launcher_cpu = -_own_cpu_seconds()
                     results, peak, ema = self._run(run.model, run.layout, run.train_set, run.eval_set,
-                                                   run.objective, run.optimizer, run.groups, run.scheduler, plan,
-                                                   relay, resume)
+                                                   run.objective, run.phases, plan, relay, resume)
                     return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts, ema)
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
@@ -525,9 +545,11 @@ class Trainer:
             log.warning("passing over a damaged checkpoint: %s", reason)
         _check_same_run(saved, path, run.facts, run.run_config, self.config.resume_strict)
         checkpoint.check_model(saved, run.model, path)
-        if run.rehearsal.optimizer_class is not None:
-            checkpoint.check_optimizer(saved, run.rehearsal.optimizer_state_keys,
-                                       run.rehearsal.optimizer_class.__name__, path)
+        optimizers, schedules = checkpoint.phase_states(saved, [(s.name, s.shape) for s in run.layout.slots],
+                                                        len(run.phases), path)
+        for held, found in zip(optimizers, run.rehearsal.phases):
+            if found.optimizer_class is not None:
+                checkpoint.check_optimizer(held, found.optimizer_state_keys, found.optimizer_class.__name__, path)
         total_steps = run.first_plan.total_steps
         if saved["step"] >= total_steps:
             raise ConfigError(f"{path} is at step {saved['step']}, and this run has {total_steps} steps: nothing "
@@ -538,16 +560,15 @@ class Trainer:
                         "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]),
                         self.workers)
         run.model.load_state_dict(saved["model"])
-        layout, slot_groups = run.layout, run.groups.slot_groups
-        optimizer = checkpoint.optimizer_state(saved, [(s.name, s.shape) for s in layout.slots])
         log.info("resuming from %s (step %d)", path, saved["step"])
         if self.config.ema_decay is not None and saved.get("ema") is None:
             log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed",
                         path)
         return {"step": saved["step"], "ema": saved.get("ema"),
-                "ranks": [{"optimizer": state.scatter(optimizer, layout, rank, slot_groups) if optimizer else {},
-                           "rng": saved["rng"][rank] if same_streams else None, "schedule": saved.get("schedule")}
-                          for rank in range(self.workers)]}
+                "ranks": [{"phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups)
+                                       if held else {}, "schedule": schedule}
+                                      for phase, held, schedule in zip(run.phases, optimizers, schedules)],
+                           "rng": saved["rng"][rank] if same_streams else None} for rank in range(self.workers)]}
 
     # --- evaluate ------------------------------------------------------------------------------
 
@@ -563,7 +584,7 @@ class Trainer:
             _check_sendable(obj, what)
         channels_last = self._channels_last(model)
         rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size),
-                                                    objective, None, Groups(None, ()), placement.precision,
+                                                    objective, [], placement.precision,
                                                     channels_last))
         objective.eval_keys = rehearsal.eval_keys
         objective.form = rehearsal.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
@@ -572,9 +593,7 @@ class Trainer:
                     dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
                     eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
                     worker_timeout=cfg.worker_timeout)
-        results, _, _ = self._run(model, layout, None, dataset, objective, None,
-                                  Groups(None, (0,) * len(layout.slots)),
-                               None, plan, None, None)
+        results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None)
         return {k: v for k, v in results[0].items() if k != "comm"}
 
     def _channels_last(self, model: nn.Module) -> bool:
@@ -596,7 +615,7 @@ class Trainer:
 
     # --- one launch of the workers -------------------------------------------------------------
 
-    def _run(self, model, layout: FlatLayout, train_set, eval_set, objective, optimizer, groups: Groups, scheduler,
+    def _run(self, model, layout: FlatLayout, train_set, eval_set, objective: Objective, phases: list[JobPhase],
              plan: Plan, relay, resume, target=run_worker):
         placement = plan.placement
         rendezvous_dir = _rendezvous_dir()
@@ -615,8 +634,7 @@ class Trainer:
                             2 * len(objective.eval_keys) + 2)
                 shm = ShmBuffers.allocate(placement.workers, layout.padded_numel, shared.flat.dtype, width)
             job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train_set=train_set, eval_set=eval_set,
-                      objective=objective, optimizer=optimizer, group_options=groups.options,
-                      slot_groups=groups.slot_groups, scheduler=scheduler,
+                      objective=objective, phases=phases,
                       board=Board.allocate(placement.workers, len(layout.slots), buffer_count(model)), stop=self._stop,
                       heartbeats=heartbeats, shm=shm, ema=shared.ema)
             specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
@@ -641,10 +659,8 @@ class _Run:
     model: nn.Module
     train_set: Dataset
     eval_set: Dataset | None
-    objective: Objective
-    optimizer: Callable[..., torch.optim.Optimizer]
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None
-    groups: Groups
+    objective: Objective  # evaluation's
+    phases: list[JobPhase]  # training's: one optimizer each
     layout: FlatLayout
     rehearsal: "preflight.Rehearsal"
     first_plan: Plan  # from step 0
@@ -686,6 +702,38 @@ def _other_cpu_percent(results: list[dict[str, Any]], launcher_cpu: float) -> fl
         return None
     ours = sum(c["own"] for c in clocks) + launcher_cpu
     return max(0.0, 100 * (clocks[0]["machine_busy"] - ours) / clocks[0]["machine_total"])
+
+
+SHARD_KINDS = ("elements", "tensors", "full")  # each exact for the optimizers the ones before it are
+
+
+def _job_phases(model: nn.Module, trainable: list[nn.Parameter], phases: list[Phase] | None, objective: Objective,
+                optimizer, param_groups, scheduler) -> list[JobPhase]:
+    """The run's phases, resolved against the model: one from fit's own arguments, or each Phase's.
+
+    Raises:
+        ConfigError: a phase's parameters are not the model's, or a parameter is in two phases.
+    """
+    if not phases:
+        groups = resolve_groups(model, trainable, param_groups)
+        factory = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+        return [JobPhase("train", objective, factory, groups.options, groups.slot_groups, scheduler)]
+    resolved, owner = [], {}
+    for index, phase in enumerate(phases):
+        if not isinstance(phase, Phase):
+            raise ConfigError(f"phases must be sn_trainer.Phase objects, got {type(phase).__name__}")
+        name = phase.name or f"phase{index}"
+        groups = resolve_groups(model, trainable, phase.params)
+        for slot, group in enumerate(groups.slot_groups):
+            if group is not None:
+                if slot in owner:
+                    raise ConfigError(f"a parameter of shape {tuple(trainable[slot].shape)} is in phases "
+                                      f"{owner[slot]!r} and {name!r}; each parameter may be in one phase only")
+                owner[slot] = name
+        phase_objective = objective if index == 0 else Objective(step_fn=phase.step_fn)
+        factory = phase.optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+        resolved.append(JobPhase(name, phase_objective, factory, groups.options, groups.slot_groups, phase.scheduler))
+    return resolved
 
 
 def _objective(loss_fn, step_fn, metric_fn) -> Objective:
@@ -755,7 +803,7 @@ class _CheckpointWriter(Callback):
     """In the launcher: gathers every worker's part of a checkpoint and writes it when complete."""
 
     def __init__(self, run: _Run, hooks: Callbacks):
-        self.directory, self.layout, self.groups = run.directory, run.layout, run.groups
+        self.directory, self.layout, self.phases = run.directory, run.layout, run.phases
         self.facts, self.config, self.hooks = run.facts, run.run_config, hooks
         self._parts: dict[int, dict[int, dict[str, Any]]] = {}
         self.last_saved: Path | None = None
@@ -768,12 +816,18 @@ class _CheckpointWriter(Callback):
         step = part.step
         del self._parts[step]
         ordered = [parts[r] for r in range(self.layout.world_size)]
-        optimizer = None
-        if any(p["optimizer"] is not None for p in ordered):
-            optimizer = state.gather([p["optimizer"] for p in ordered], self.layout, self.groups.slot_groups)
+        optimizers, schedules = [], []
+        for index, phase in enumerate(self.phases):
+            held = [p["phases"][index]["optimizer"] for p in ordered]
+            optimizers.append(state.gather(held, self.layout, phase.slot_groups)
+                              if any(h is not None for h in held) else None)
+            # A plateau scheduler's state: the same in every worker that holds one of this phase's pieces.
+            schedules.append(next((p["phases"][index]["schedule"] for p in ordered
+                                   if p["phases"][index]["schedule"] is not None), None))
+        optimizer, schedule = checkpoint.phase_entries(optimizers, schedules)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
-                                 {**self.facts, "workers": self.layout.world_size}, self.config,
-                                 ordered[0].get("schedule"), ordered[0].get("ema"))
+                                 {**self.facts, "workers": self.layout.world_size}, self.config, schedule=schedule,
+                                 ema=ordered[0].get("ema"))
         try:
             self.last_saved = self.directory.save(saved)
         except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from

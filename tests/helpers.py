@@ -212,7 +212,6 @@ def live_children() -> list[psutil.Process]:
 
 def probe_replica(spec, send):
     """A worker target that inspects its replica instead of training (see test_shared_memory)."""
-    from sn_trainer.engine.board import StepTotals
     from sn_trainer.engine.worker import Replica
 
     replica = Replica(spec)
@@ -232,9 +231,11 @@ def probe_replica(spec, send):
     replica.reducer.barrier()
     replica.reducer.grad_flat.fill_(1.0)
     replica.reducer.reduce()
-    replica.update(StepTotals(loss_sum=0.0, count=1.0, finite=True, unused=()), step_done=1)
+    (phase,) = replica.phases
+    phase.update(replica.reducer.shard_grad, count=1.0, unused=(), step_done=1, norm_sum=replica.reducer.sum_in_node,
+                 whole_model=True)
     replica.reducer.barrier()
-    report["state_numel"] = sum(t.numel() for state in replica.optimizer.state.values() for t in state.values()
+    report["state_numel"] = sum(t.numel() for state in phase.optimizer.state.values() for t in state.values()
                                 if torch.is_tensor(t) and t.dim() > 0)
     replica.close()
     return report

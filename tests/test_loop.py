@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import SmallConvNet, assert_exact, cross_entropy, plain_batches, tiny_dataset
-from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Trainer, UserCodeError
+from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Phase, Trainer, UserCodeError
 from sn_trainer import checkpoint
 from sn_trainer.checkpoint import CheckpointDir
 
@@ -302,3 +302,92 @@ def test_the_ema_is_checkpointed_and_resumed(tmp_path):
     resumed = run(copy.deepcopy(start), resume="latest")
     for name, value in whole.ema_state_dict.items():
         torch.testing.assert_close(resumed.ema_state_dict[name], value, rtol=0, atol=0)
+
+
+# --- several optimizers updated in turn (a GAN) ---------------------------------------------------------
+
+class TinyGAN(torch.nn.Module):
+    """pytorch/examples' DCGAN in miniature: a generator from noise to 8x8 images, a discriminator."""
+
+    def __init__(self, latent: int = 4):
+        super().__init__()
+        self.G = torch.nn.Sequential(torch.nn.Linear(latent, 16), torch.nn.ReLU(), torch.nn.Linear(16, 64),
+                                     torch.nn.Tanh())
+        self.D = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.LeakyReLU(0.2), torch.nn.Flatten(),
+                                     torch.nn.Linear(3 * 6 * 6, 1))
+
+    def generate(self, noise):
+        return self.G(noise).view(-1, 1, 8, 8)
+
+
+def discriminator_step(model, batch):
+    """D learns real from fake; noise comes with the batch, so every run draws the same."""
+    real, noise = batch
+    fake = model.generate(noise).detach()
+    ones, zeros = torch.ones(len(real), 1, dtype=real.dtype), torch.zeros(len(real), 1, dtype=real.dtype)
+    return F.binary_cross_entropy_with_logits(model.D(real), ones) + \
+        F.binary_cross_entropy_with_logits(model.D(fake), zeros)
+
+
+def generator_step(model, batch):
+    """G learns to pass for real, judged by the D just updated."""
+    real, noise = batch
+    return F.binary_cross_entropy_with_logits(model.D(model.generate(noise)), torch.ones(len(real), 1,
+                                                                                        dtype=real.dtype))
+
+
+def discriminator_params(model):
+    return model.D.parameters()
+
+
+def generator_params(model):
+    return model.G.parameters()
+
+
+ADAM = functools.partial(torch.optim.Adam, lr=0.01, betas=(0.5, 0.999))
+
+
+def gan_data():
+    g = torch.Generator().manual_seed(4)
+    return torch.utils.data.TensorDataset(torch.randn(56, 1, 8, 8, generator=g, dtype=F64).tanh(),
+                                          torch.randn(56, 4, generator=g, dtype=F64))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
+    from sn_trainer import Phase
+
+    torch.manual_seed(0)
+    model = TinyGAN().double()
+    reference = copy.deepcopy(model)
+    opt_d, opt_g = ADAM(reference.D.parameters()), ADAM(reference.G.parameters())
+    for _, batch in zip(range(6), plain_batches(gan_data(), 7, seed=3)):
+        opt_d.zero_grad()
+        discriminator_step(reference, batch).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        generator_step(reference, batch).backward()
+        opt_g.step()
+    result = Trainer(workers=workers, batch_size=7, max_steps=6, seed=3, log_every=1).fit(
+        model, gan_data(), phases=[Phase(discriminator_step, discriminator_params, ADAM, name="D"),
+                                   Phase(generator_step, generator_params, ADAM, name="G")])
+    assert_exact(model, reference)
+    assert [p["name"] for p in result.plan["phases"]] == ["D", "G"]
+    assert {"loss_D", "loss_G"} <= set(result.history[0]) and result.history[0]["loss"] == result.history[0]["loss_D"]
+
+
+def test_phases_are_checked_before_any_worker_starts(no_leaks):
+    from sn_trainer import Phase
+
+    data = gan_data()
+    with pytest.raises(ConfigError, match=r"is in phases 'D' and 'all'; each parameter may be in one phase only"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(
+            TinyGAN().double(), data, phases=[Phase(discriminator_step, discriminator_params, name="D"),
+                                              Phase(generator_step, all_params, name="all")])
+    with pytest.raises(ConfigError, match="give phases or step_fn, not both"):
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(TinyGAN().double(), data, step_fn=generator_step,
+                                                          phases=[Phase(generator_step, generator_params)])
+
+
+def all_params(model):
+    return model.parameters()

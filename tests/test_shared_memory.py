@@ -10,7 +10,7 @@ from sn_trainer.engine.layout import FlatLayout
 from sn_trainer.engine.objective import Objective
 from sn_trainer.engine.plan import Plan
 from sn_trainer.engine.shared import SharedParams
-from sn_trainer.optim import Groups
+from sn_trainer.engine.phases import JobPhase
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,8 +24,9 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
     plan = Plan(placement=trainer.placement, batch_size=8, accumulate=1, seed=0, drop_last=True, dataset_size=84,
                 steps_per_epoch=10, total_steps=1)
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    reports, _, _ = trainer._run(model, layout, tiny_dataset(), None, Objective(), sgd,
-                                 Groups(None, (0,) * len(layout.slots)), None, plan, None, None, target=probe_replica)
+    phases = [JobPhase("train", Objective(), sgd, None, (0,) * len(layout.slots))]
+    reports, _, _ = trainer._run(model, layout, tiny_dataset(), None, Objective(), phases, plan, None, None,
+                                 target=probe_replica)
     assert all(r["storages"] and r["all_shared"] for r in reports)
     assert [r["seen"] for r in reports] == [42.0, 42.0]
     # Optimizer state: one momentum buffer per shard, adding up to the parameters, once.

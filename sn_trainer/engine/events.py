@@ -12,7 +12,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Progress:
-    """A logged step: where the run is, its loss, the learning rate it used, its speed."""
+    """A logged step: where the run is, its loss, the learning rate it used, its speed. With several
+    phases, ``loss`` and ``lr`` are the first phase's, and ``phase_losses`` has each by name."""
 
     step: int
     epoch: float
@@ -20,11 +21,13 @@ class Progress:
     lr: float | None
     samples_per_sec: float
     phase_ms: dict[str, float] = field(default_factory=dict)
+    phase_losses: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """As a plain record (FitResult.history, on_log, metrics.csv)."""
+        """As a plain record (FitResult.history, on_log, metrics.csv): ``loss_<name>`` per phase."""
         return {"step": self.step, "epoch": self.epoch, "loss": self.loss, "lr": self.lr,
-                "samples_per_sec": self.samples_per_sec, "phase_ms": dict(self.phase_ms)}
+                "samples_per_sec": self.samples_per_sec, "phase_ms": dict(self.phase_ms),
+                **{f"loss_{name}": value for name, value in self.phase_losses.items()}}
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class Plan:
     sync_batchnorm: bool = False
     ema_decay: float | None = None  # a moving average of the parameters, each worker averaging its shard
     loss_form: str = "mean"  # how a scalar loss splits over samples (engine.objective's forms)
+    phases: tuple[tuple[str, str], ...] = ()  # with several phases: each one's name and loss form
     log_every: int = 100
     eval_batch_size: int = 512
     evaluates: bool = False  # after each epoch (or every eval_every steps) and after the last step
@@ -121,6 +122,7 @@ class Plan:
                 "openmp": p.openmp, "start_method": p.start_method,
                 "channels_last": self.channels_last, "shards": self.shards, "sync_batchnorm": self.sync_batchnorm,
                 "ema_decay": self.ema_decay, "loss_form": self.loss_form,
+                "phases": [{"name": name, "loss_form": form} for name, form in self.phases],
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
                 "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                 "start_step": self.start_step, "notes": [*p.notes, *self.notes]}

@@ -28,11 +28,12 @@ def group_params(tensors: Sequence[torch.Tensor], slots: Sequence[int], group_op
                  slot_groups: Sequence[int | None]) -> list:
     """What an optimizer factory is called with: the tensors (of layout ``slots``), in their groups.
 
-    Without groups, a plain list, as ``model.parameters()`` would give; with groups, every group
-    in order (empty ones too, so that schedulers see them all), each with its options.
+    Without groups, a plain list of those in a group (0), as ``model.parameters()`` would give;
+    with groups, every group in order (empty ones too, so that schedulers see them all), each
+    with its options.
     """
     if group_options is None:
-        return list(tensors)
+        return [tensor for tensor, slot in zip(tensors, slots) if slot_groups[slot] is not None]
     groups = [{"params": [], **options} for options in group_options]
     for tensor, slot in zip(tensors, slots):
         if slot_groups[slot] is not None:

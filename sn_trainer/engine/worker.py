@@ -28,11 +28,10 @@ from .events import CheckpointPart, Evaluation, Progress
 from .launch import Heartbeats, pack
 from .layout import FlatLayout
 from .objective import Objective, Precision
+from .phases import JobPhase, WorkerPhase
 from .plan import Plan
-from .schedule import Schedule
 from .shared import ReplicaBuffers
 from .signals import StopFlags
-from .state import group_params, optimizer_pieces
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
 
@@ -47,11 +46,8 @@ class Job:
     flat: torch.Tensor
     train_set: Dataset | None
     eval_set: Dataset | None
-    objective: Objective
-    optimizer: Callable[..., torch.optim.Optimizer] | None
-    group_options: list[dict[str, Any]] | None  # None: the factory gets a plain list of tensors
-    slot_groups: tuple[int | None, ...]  # each parameter's group (None: not trained)
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None
+    objective: Objective  # what evaluation computes (the first phase's loss, and the metrics)
+    phases: list[JobPhase]  # one optimizer each, updated in turn every step
     board: Board
     stop: StopFlags
     heartbeats: Heartbeats
@@ -64,7 +60,7 @@ class WorkerSpec:
     rank: int  # within the node
     store_path: str
     job: Job
-    resume: dict[str, Any] | None = None  # this worker's optimizer state and random state of a checkpoint
+    resume: dict[str, Any] | None = None  # this worker's share of a checkpoint: each phase's state, random state
     cluster: Cluster | None = None  # several nodes under torchrun
 
 
@@ -128,46 +124,15 @@ class Replica:
         if plan.sync_batchnorm:
             synchronise(self.model, self._waiting_sum)
 
-        self.optimizer, self.schedule = self._build_optimizer(spec.resume)
+        self.phases = [WorkerPhase(phase, self.layout, spec.rank, job.flat, self.reducer.shard_grad, plan,
+                                   spec.resume["phases"][index] if spec.resume else None)
+                       for index, phase in enumerate(job.phases)]
         self.lr_used: float | None = None  # by the last step's update
         if spec.resume is not None and spec.resume.get("rng") is not None:
             random_state.restore(spec.resume["rng"])  # same workers: same random streams
         self.batches = None
         if job.train_set is not None:
             self.batches = GlobalBatches(plan.dataset_size, plan.batch_size, plan.accumulate, plan.seed, plan.drop_last)
-
-    def _build_optimizer(self, resume: dict[str, Any] | None):
-        """This shard's optimizer over its pieces, the run's groups, and a schedule at the run's step."""
-        job, shard = self.job, self.layout.shards[self.rank]
-        self._pieces = optimizer_pieces(self.layout, self.rank, job.slot_groups)
-        if job.optimizer is None or not self._pieces:
-            return None, None  # nothing of the model is this worker's to update
-        self._piece_params, self._piece_grads = [], []
-        for piece in self._pieces:
-            if piece.whole:
-                tensor, grad = self.layout.view(job.flat, piece.slot), self.layout.view(self.reducer.shard_grad,
-                                                                                        piece.slot, base=shard.start)
-            else:
-                tensor = job.flat[piece.start : piece.stop]
-                grad = self.reducer.shard_grad[piece.start - shard.start : piece.stop - shard.start]
-            self._piece_params.append(nn.Parameter(tensor))
-            self._piece_grads.append(grad)
-        optimizer = job.optimizer(group_params(self._piece_params, [p.slot for p in self._pieces],
-                                               job.group_options, job.slot_groups))
-        if resume is not None:
-            current = optimizer.state_dict()
-            optimizer.load_state_dict({"state": resume["optimizer"], "param_groups": current["param_groups"]})
-        schedule = Schedule(job.scheduler(optimizer), self.plan.steps_per_epoch) if job.scheduler else None
-        if schedule is not None and self.plan.start_step:
-            if schedule.plateau and resume and resume.get("schedule"):
-                schedule.load_state_dict(resume["schedule"])  # metric-driven: as the checkpoint left it
-            else:
-                # The run's own schedule, fast-forwarded to where it resumes: only the step count
-                # comes from the checkpoint, so a resume with more epochs follows the longer schedule.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    schedule.fast_forward(self.plan.start_step)
-        return optimizer, schedule
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over every worker of every node, in place."""
@@ -181,42 +146,66 @@ class Replica:
 
     # --- one step ------------------------------------------------------------------------------
 
-    def train_step(self, step: int, timer: PhaseTimer) -> StepTotals:
-        """One optimizer step, in every worker at once; the update is left out if anything is non-finite."""
+    def train_step(self, step: int, timer: PhaseTimer) -> list[StepTotals]:
+        """One optimizer step, in every worker at once: each phase in turn on the same micro-batches
+        (forward, backward, sum, update of its shards; a barrier before the next phase reads the
+        weights). A phase's update is left out if anything in it is non-finite. Its totals, per phase."""
         plan = self.plan
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        micro_batches = []
+        with timer("data"):
+            for micro in range(plan.accumulate):
+                micro_batches.append(self.micro_batch(epoch, in_epoch, micro))
+        phase_totals = []
+        for index, phase in enumerate(self.phases):
+            if index:
+                with timer("wait"):
+                    self.reducer.barrier()  # the previous phase's update is written everywhere
+            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer))
+            if index == 0:
+                self.lr_used = self.current_lr()  # before the scheduler moves it on
+            with timer("update"):
+                if phase_totals[-1].finite:
+                    phase.update(self.reducer.shard_grad, phase_totals[-1].count, phase_totals[-1].unused, step + 1,
+                                 self.reducer.sum_in_node, whole_model=len(self.phases) == 1)
+        with timer("update"):
+            if self.job.ema is not None:  # this shard's average: 1/W of the work in each worker
+                shard = self.layout.shards[self.rank]
+                self.job.ema[shard.start : shard.stop].lerp_(self.job.flat[shard.start : shard.stop],
+                                                            1 - plan.ema_decay)
+        if self.rank == 0:
+            self.job.stop.decide(step + 1)  # before the barrier: all workers read the same decision
+        with timer("wait"):
+            self.reducer.barrier()  # nobody reads parameters that are still being written
+        return phase_totals
+
+    def phase_step(self, round_: int, phase: WorkerPhase, micro_batches: list[tuple[Any, int]],
+                   timer: PhaseTimer) -> StepTotals:
+        """Forward and backward of one phase's loss on this worker's micro-batches, and the sum of
+        the gradients over the workers; ``round_`` counts phases over the run (the board's turn)."""
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
-        # previous step's closing barrier.
+        # barrier that closed the previous phase or step.
         self.reducer.grad_flat.zero_()
         self.used.zero_()
         loss_sum = count = 0.0
-        for micro in range(plan.accumulate):
-            with timer("data"):
-                batch, samples = self.micro_batch(epoch, in_epoch, micro)
+        for batch, samples in micro_batches:
             if samples == 0:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
             with timer("forward"):
-                micro_loss, micro_count = self.objective.train_terms(self.model, batch, samples, self.precision,
-                                                                     self.dtype)
+                micro_loss, micro_count = phase.objective.train_terms(self.model, batch, samples, self.precision,
+                                                                      self.dtype)
             with timer("backward"):
                 micro_loss.backward()
             loss_sum += micro_loss.item()
             count += micro_count
         with timer("reduce"):
             changed = self.buffers.changed() if self.rank == 0 else None
-            self.job.board.publish(step, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
+            self.job.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
             self.reducer.reduce()
-        totals = self.step_totals(step)
-        self.lr_used = self.current_lr()  # before the scheduler moves it on
-        with timer("update"):
-            if self.rank != 0:
-                self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this step
-            if totals.finite:
-                self.update(totals, step + 1)
-        if self.rank == 0:
-            self.job.stop.decide(step + 1)  # before the barrier: all workers read the same decision
-        with timer("wait"):
-            self.reducer.barrier()  # nobody reads parameters that are still being written
+        totals = self.step_totals(round_, phase.objective)
+        if self.rank != 0:
+            with timer("update"):
+                self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
         return totals
 
     def micro_batch(self, epoch: int, in_epoch: int, micro: int) -> tuple[Any, int]:
@@ -227,52 +216,23 @@ class Replica:
             return None, 0
         return in_layout(fetch_batch(self.job.train_set, indices[start:stop]), self.plan.channels_last), stop - start
 
-    def step_totals(self, step: int) -> StepTotals:
-        totals = self.job.board.totals(step)
+    def step_totals(self, round_: int, objective: Objective) -> StepTotals:
+        totals = self.job.board.totals(round_)
         if self.cluster is not None:  # add the other nodes' losses, counts, checks and use counts
             totals = self.reducer.sum_across_nodes(totals)
         totals = self.job.board.read(totals)
-        if self.objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
+        if objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
             return dataclasses.replace(totals, loss_sum=math.nan, finite=False)
         return totals
-
-    def update(self, totals: StepTotals, step_done: int) -> None:
-        """Divide by the global count, clip by the global norm, then step this shard's optimizer
-        (and its scheduler, where it steps per optimizer step)."""
-        shard_grad = self.reducer.shard_grad
-        if self.objective.divides:
-            shard_grad.div_(totals.count)
-        if self.plan.clip_grad_norm is not None:
-            sq = torch.zeros(1, dtype=torch.float64)
-            sq += shard_grad.double().pow(2).sum() if shard_grad.numel() else 0.0
-            total_norm = math.sqrt(self.reducer.sum_in_node(sq).item())  # every node holds all shards
-            coef = self.plan.clip_grad_norm / (total_norm + 1e-6)
-            if coef < 1.0:
-                shard_grad.mul_(coef)
-        if self.optimizer is None:
-            return
-        unused = set(totals.unused)
-        for piece, param, grad in zip(self._pieces, self._piece_params, self._piece_grads):
-            # A parameter no worker's backward reached: .grad None, as plain PyTorch leaves it,
-            # so the optimizer leaves it alone (no decay, no momentum, no step count).
-            param.grad = None if piece.slot in unused else grad
-        self.optimizer.step()
-        if self.job.ema is not None:  # this shard's average: 1/W of the work in each worker
-            shard = self.layout.shards[self.rank]
-            self.job.ema[shard.start : shard.stop].lerp_(self.job.flat[shard.start : shard.stop],
-                                                        1 - self.plan.ema_decay)
-        if self.schedule is not None:
-            self.schedule.after_step(step_done)
 
     def scheduled_points(self, step_done: int, metrics: dict[str, Any] | None) -> None:
         """The scheduler's other points after step ``step_done``: an evaluation's ``metrics`` (None:
         none was made), the end of an epoch."""
-        if self.schedule is None:
-            return
-        if metrics is not None:
-            self.schedule.after_evaluation(metrics)
-        if step_done % self.plan.steps_per_epoch == 0:
-            self.schedule.after_epoch(step_done // self.plan.steps_per_epoch, metrics)
+        for schedule in (phase.schedule for phase in self.phases if phase.schedule is not None):
+            if metrics is not None:
+                schedule.after_evaluation(metrics)
+            if step_done % self.plan.steps_per_epoch == 0:
+                schedule.after_epoch(step_done // self.plan.steps_per_epoch, metrics)
 
     def settle(self, step_done: int) -> None:
         """After an evaluation: worker 0 decides whether the run stops after this step (a callback
@@ -281,14 +241,14 @@ class Replica:
             self.job.stop.decide(step_done)
         self.reducer.barrier()
 
-    def loss(self, totals: StepTotals) -> float:
-        """The step's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""
-        return totals.loss_sum / totals.count if self.objective.divides and totals.count > 0 else totals.loss_sum
+    def losses(self, phase_totals: list[StepTotals]) -> list[float]:
+        """Each phase's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""
+        return [totals.loss_sum / totals.count if phase.objective.divides and totals.count > 0 else totals.loss_sum
+                for phase, totals in zip(self.phases, phase_totals)]
 
     def current_lr(self) -> float | None:
-        if self.optimizer is None or not self.optimizer.param_groups:
-            return None
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The first phase's learning rate (of its first group)."""
+        return self.phases[0].lr()
 
     # --- evaluation and state ------------------------------------------------------------------
 
@@ -351,8 +311,7 @@ class Replica:
     def state_part(self) -> bytes:
         """What this worker contributes to a checkpoint: its optimizer's state, its random state
         (and, from worker 0, the model's), as tensors and plain data."""
-        part = {"rank": self.rank, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "rng": random_state.capture(), "schedule": self.schedule.state_dict() if self.schedule else None}
+        part = {"rank": self.rank, "phases": [phase.state() for phase in self.phases], "rng": random_state.capture()}
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
@@ -459,12 +418,13 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
             cpu.start()
         profiler.before(step)
-        totals = replica.train_step(step, timer)
+        phase_totals = replica.train_step(step, timer)
         profiler.after(step)
-        loss = replica.loss(totals)
+        losses = replica.losses(phase_totals)
+        loss = losses[0]
 
         done = step + 1
-        if not totals.finite:  # every worker saw the same loss and gradient check: they agree
+        if not all(totals.finite for totals in phase_totals):  # every worker saw the same checks: they agree
             if plan.on_nan == "stop":
                 diverged_at = done
                 break
@@ -474,8 +434,9 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
             now = time.perf_counter()
             steps = done - last_log_step
             phase_ms = {p: 1000 * (timer.seconds[p] - last_log_phases[p]) / steps for p in PHASES}
+            named = {phase.phase.name: value for phase, value in zip(replica.phases, losses)} if len(losses) > 1 else {}
             send(Progress(done, done / plan.steps_per_epoch, loss, replica.lr_used,
-                          plan.samples(last_log_step, done) / (now - last_log_time), phase_ms))
+                          plan.samples(last_log_step, done) / (now - last_log_time), phase_ms, named))
             last_log_step, last_log_time, last_log_phases = done, now, dict(timer.seconds)
         evaluated = None
         if not stopping and plan.evaluates_after(done):
