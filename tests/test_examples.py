@@ -31,8 +31,18 @@ def test_vae_on_fashion_mnist():
 
 
 def test_char_gpt_with_nanogpt_style_configure_optimizers():
-    out = run("char_gpt.py", "--text", TEXT, "--max-steps", "6", "--n-embd", "32", "--sample-chars", "40")
+    out = run("char_gpt.py", "--text", TEXT, "--max-steps", "6", "--n-embd", "32", "--sample-chars", "40",
+              "--eval-every", "3", "--eval-batches", "1")
     assert "num decayed parameter tensors: 10" in out  # the method ran, once, in the launcher
+    evaluated = re.findall(r"step (\d+): held-out loss [\d.]+, the weights' moving average [\d.]+", out)
+    assert evaluated == ["3", "6"]  # every 3 steps, the live weights and their average
     assert float(re.search(r"held-out loss ([\d.]+)", out).group(1)) < 4.4  # ln(76 characters) = 4.33
     sample = out.split("sample:\n", 1)[1]
     assert len(sample.strip("\n")) >= 20
+
+
+def test_dcgan_on_fashion_mnist(tmp_path):
+    out = run("dcgan.py", "--max-steps", "4", "--limit", "512", "--out", str(tmp_path / "grid.png"))
+    losses = re.search(r"4 steps: loss D ([\d.]+), G ([\d.]+)", out)
+    assert losses and 0 < float(losses.group(1)) < 3 and 0 < float(losses.group(2)) < 5
+    assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

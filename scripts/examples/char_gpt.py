@@ -3,8 +3,9 @@
 Written the way nanoGPT is: ``forward(idx, targets)`` returns ``(logits, loss)``, the output layer
 shares the embedding's weights, and ``configure_optimizers`` puts every 2-d weight in a group with
 weight decay and the rest (biases, layer norms) in one without, then builds AdamW from the groups.
-That method is handed to sn_trainer unchanged, as ``param_groups``. At the end the trained model
-writes a sample.
+That method is handed to sn_trainer unchanged, as ``param_groups``. As nanoGPT does, it evaluates
+every ``--eval-every`` steps on a bounded number of held-out batches, and keeps a moving average of
+the weights (``--ema-decay``), evaluated beside them. At the end the trained model writes a sample.
 
     python scripts/examples/char_gpt.py                      # Debian's licence texts, ~1.5 min on 2 cores
     python scripts/examples/char_gpt.py --text my.txt --max-steps 2000
@@ -145,6 +146,9 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--sample-chars", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=200, help="evaluate every this many steps")
+    parser.add_argument("--eval-batches", type=int, default=None, help="evaluate on this many batches only")
+    parser.add_argument("--ema-decay", type=float, default=0.99, help="0 for none")
     parser.add_argument("--workers", default="auto")
     args = parser.parse_args()
 
@@ -160,7 +164,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(len(chars), args.block_size, args.n_layer, n_embd=args.n_embd)
     trainer = Trainer(workers=args.workers if args.workers == "auto" else int(args.workers),
-                      batch_size=args.batch_size, max_steps=args.max_steps, log_every=50, eval_batch_size=256)
+                      batch_size=args.batch_size, max_steps=args.max_steps, log_every=50, eval_batch_size=256,
+                      eval_every=args.eval_every, max_eval_batches=args.eval_batches,
+                      ema_decay=args.ema_decay or None)
     # nanoGPT's method, unchanged: its groups and its AdamW reach every worker's shard.
     groups = functools.partial(GPT.configure_optimizers, weight_decay=0.1, learning_rate=2e-3, betas=(0.9, 0.95),
                                device_type="cpu")
@@ -168,6 +174,10 @@ def main() -> None:
     result = trainer.fit(model, train, eval_set=heldout, step_fn=step, param_groups=groups)
     print(f"held-out loss {result.eval_loss:.3f} (perplexity {math.exp(result.eval_loss):.2f}), "
           f"{result.samples_per_sec * args.block_size:.0f} tokens/s ({result.workers} workers)")
+    for record in result.history:
+        if "eval_loss" in record:
+            ema = f", the weights' moving average {record['eval_ema_loss']:.3f}" if "eval_ema_loss" in record else ""
+            print(f"step {record['step']}: held-out loss {record['eval_loss']:.3f}{ema}")
     model.eval()
     start = torch.tensor([[encode["\n"]]])
     sample = model.generate(start, args.sample_chars, temperature=0.8, top_k=10)[0].tolist()
