@@ -37,7 +37,7 @@ from .engine import state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
-from .engine.events import CheckpointPart, Evaluation
+from .engine.events import CheckpointPart, Evaluation, WorkerResult
 from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, trainable_parameters
@@ -472,47 +472,47 @@ class Trainer:
         """What the run measured, or the error that ended it."""
         cfg, plan, results = self.config, outcome.plan, outcome.results
         lead = results[0]
-        if lead["diverged_at"] is not None:
-            raise TrainingDiverged(lead["diverged_at"])
-        if lead["stopped_at"] is not None and self._stop.signal:
-            raise TrainingInterrupted(self._stop.signal, lead["stopped_at"], writer.last_saved)
-        if lead.get("eval_error"):
-            log.warning("evaluation failed; the trained model is kept:\n%s", lead["eval_error"])
+        if lead.diverged_at is not None:
+            raise TrainingDiverged(lead.diverged_at)
+        if lead.stopped_at is not None and self._stop.signal:
+            raise TrainingInterrupted(self._stop.signal, lead.stopped_at, writer.last_saved)
+        eval_metrics = {k: v for k, v in lead.eval_metrics.items() if k != "eval_error"}
+        if lead.eval_metrics.get("eval_error"):
+            log.warning("evaluation failed; the trained model is kept:\n%s", lead.eval_metrics["eval_error"])
         other = _other_cpu_percent(results, outcome.launcher_cpu)
         if other is not None and other > OTHERS_WARNING_PERCENT:
             log.warning("other processes used %.0f%% of this machine's CPU during the measured steps: the speeds "
                         "measured mean little (measure on an idle machine)", other)
         measured_from = max(cfg.measure_after, plan.start_step)
-        samples = plan.samples(measured_from, measured_from + lead["measured_steps"])
-        eval_metrics = {k: v for k, v in lead.items() if k.startswith("eval_") and k != "eval_error"}
+        samples = plan.samples(measured_from, measured_from + lead.measured_steps)
         placement = plan.placement
         return FitResult(
-            samples_per_sec=samples / lead["train_seconds"] if lead["train_seconds"] > 0 else 0.0,
+            samples_per_sec=samples / lead.train_seconds if lead.train_seconds > 0 else 0.0,
             per_worker_batch=plan.per_worker_batch,
-            steps=lead["stopped_at"] or plan.total_steps,
-            measured_steps=lead["measured_steps"],
-            final_loss=lead["final_loss"],
+            steps=lead.stopped_at or plan.total_steps,
+            measured_steps=lead.measured_steps,
+            final_loss=lead.final_loss,
             workers=placement.workers,
             threads=placement.threads,
             batch_size=cfg.batch_size,
-            train_seconds=lead["train_seconds"],
-            phase_seconds={p: sum(r["phase_seconds"][p] for r in results) / len(results) for p in PHASES},
-            peak_memory_bytes=max(outcome.peak, sum(r["pss_bytes"] for r in results)),
-            eval_loss=lead.get("eval_loss"),
-            eval_accuracy=lead.get("eval_accuracy"),
+            train_seconds=lead.train_seconds,
+            phase_seconds={p: sum(r.phase_seconds[p] for r in results) / len(results) for p in PHASES},
+            peak_memory_bytes=max(outcome.peak, sum(r.pss_bytes for r in results)),
+            eval_loss=eval_metrics.get("eval_loss"),
+            eval_accuracy=eval_metrics.get("eval_accuracy"),
             eval_metrics=eval_metrics,
-            eval_error=lead.get("eval_error"),
+            eval_error=lead.eval_metrics.get("eval_error"),
             history=history,
-            cpu_percent_per_core=lead["cpu_percent_per_core"],
-            skipped_steps=lead["skipped_steps"],
+            cpu_percent_per_core=lead.cpu_percent_per_core,
+            skipped_steps=lead.skipped_steps,
             restarts=outcome.restarts,
             last_checkpoint=str(writer.last_saved) if writer.last_saved else None,
             channels_last=plan.channels_last,
             other_cpu_percent=other,
-            comm=lead["comm"],
+            comm=lead.comm,
             precision=placement.precision,
-            plan=plan.summary(lead["comm"]),
-            stopped_early=lead["stopped_at"],
+            plan=plan.summary(lead.comm),
+            stopped_early=lead.stopped_at,
             ema_state_dict=outcome.ema_state_dict,
         )
 
@@ -594,7 +594,7 @@ class Trainer:
                     eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
                     worker_timeout=cfg.worker_timeout)
         results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None)
-        return {k: v for k, v in results[0].items() if k != "comm"}
+        return dict(results[0].eval_metrics)
 
     def _channels_last(self, model: nn.Module) -> bool:
         """The layout this model runs in: as set, or what ``channels_last=auto`` decides for it."""
@@ -679,7 +679,7 @@ class _Outcome:
     """The launch that finished: its plan, every worker's result, and what it cost."""
 
     plan: Plan
-    results: list[dict[str, Any]]
+    results: list[WorkerResult]
     peak: int
     launcher_cpu: float
     restarts: int
@@ -694,10 +694,10 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-def _other_cpu_percent(results: list[dict[str, Any]], launcher_cpu: float) -> float | None:
+def _other_cpu_percent(results: list[WorkerResult], launcher_cpu: float) -> float | None:
     """CPU the machine spent on anything but this run, as a share of all its logical CPUs' time,
     over the measured steps (the launcher counts as the run's, whole, to err on the low side)."""
-    clocks = [r.get("cpu_seconds") or {} for r in results]
+    clocks = [r.cpu_seconds or {} for r in results]
     if not all(clocks) or clocks[0]["machine_total"] <= 0:
         return None
     ours = sum(c["own"] for c in clocks) + launcher_cpu

@@ -1,11 +1,13 @@
-"""What workers tell the launcher while they train: typed events, sent through each worker's pipe.
+"""What workers tell the launcher: typed events while they train, and what each measured at its end.
 
 Worker 0 sends ``Progress`` every ``log_every`` steps (and at each epoch's end and the last
 step) and ``Evaluation`` after each evaluation; every worker sends its ``CheckpointPart`` when a
-checkpoint is due. The launcher hands them to the run's callbacks.
+checkpoint is due. The launcher hands them to the run's callbacks. Each worker returns a
+``WorkerResult`` when its run ends.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,3 +50,22 @@ class CheckpointPart:
 
     step: int
     data: bytes
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What one worker measured over its run (or, evaluating only, its evaluation)."""
+
+    comm: str  # the reducer that ran
+    eval_metrics: dict[str, Any] = field(default_factory=dict)  # the last evaluation's eval_* (eval_error)
+    pss_bytes: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    measured_steps: int = 0  # after the warm-up (or since a resume)
+    cpu_seconds: dict[str, float] | None = None  # this process's and the machine's, over the measured steps
+    train_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    final_loss: float = math.nan
+    cpu_percent_per_core: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    stopped_at: int | None = None  # a signal or a callback stopped the run after this step
+    diverged_at: int | None = None

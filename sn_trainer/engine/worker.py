@@ -24,7 +24,7 @@ from .batchnorm import synchronise
 from .board import Board, StepTotals
 from .cluster import Cluster
 from .comm import CrossNodeReducer, ShmBuffers, make_reducer
-from .events import CheckpointPart, Evaluation, Progress
+from .events import CheckpointPart, Evaluation, Progress, WorkerResult
 from .launch import Heartbeats, pack
 from .layout import FlatLayout
 from .objective import Objective, Precision
@@ -355,7 +355,7 @@ def own_pss() -> int:
         return 0
 
 
-def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
+def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
     """The worker's whole life: set up, train (and/or evaluate), return what it measured."""
     plan = spec.job.plan
     spec.job.heartbeats.beat(spec.rank, plan.start_step, "setup")
@@ -364,7 +364,7 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> dict[str, Any]:
     replica = Replica(spec)
     try:
         if plan.evaluate_only:
-            return {**replica.evaluate(spec.job.eval_set, lambda phase: None), "comm": replica.reducer.name}
+            return WorkerResult(replica.reducer.name, replica.evaluate(spec.job.eval_set, lambda phase: None))
         return train(replica, send)
     finally:
         replica.close()
@@ -393,7 +393,7 @@ class Profiler:
             self._profile = None
 
 
-def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
+def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     """The training loop. Every worker runs it in lockstep; rank 0 also reports progress."""
     plan, job = replica.plan, replica.job
     reporting = replica.rank == 0
@@ -462,8 +462,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> dict[str, Any]:
     if last > measure_from:
         cpu_percent = psutil.cpu_percent(percpu=True)  # per core, since the warm-up ended
     profiler.stop()
-    return {"pss_bytes": own_pss(), "phase_seconds": timer.seconds, "measured_steps": last - measure_from,
-            "cpu_seconds": cpu.stop(),
-            "train_seconds": train_seconds, "eval_seconds": eval_seconds, "final_loss": loss,
-            "cpu_percent_per_core": cpu_percent, "skipped_steps": skipped, "stopped_at": stopped_at,
-            "diverged_at": diverged_at, "comm": replica.reducer.name, **eval_metrics}
+    return WorkerResult(replica.reducer.name, eval_metrics, pss_bytes=own_pss(), phase_seconds=timer.seconds,
+                        measured_steps=last - measure_from, cpu_seconds=cpu.stop(), train_seconds=train_seconds,
+                        eval_seconds=eval_seconds, final_loss=loss, cpu_percent_per_core=cpu_percent,
+                        skipped_steps=skipped, stopped_at=stopped_at, diverged_at=diverged_at)
