@@ -12,7 +12,8 @@ from ..callbacks import Callback
 
 log = logging.getLogger("sn_trainer")
 
-COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_sec", "eval_loss", "eval_accuracy")
+COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_sec", "eval_loss", "eval_accuracy", "eval_ema_loss",
+           "eval_ema_accuracy")
 
 
 class ProgressLog(Callback):
@@ -43,7 +44,10 @@ class ProgressLog(Callback):
         self._file.flush()
         if "eval_loss" in record:
             text = (f"epoch {record['epoch']:.2f}: eval loss {record['eval_loss']:.4f}"
-                    + (f", accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""))
+                    + (f", accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else "")
+                    + (f"; the weights' moving average: loss {record['eval_ema_loss']:.4f}"
+                       if "eval_ema_loss" in record else "")
+                    + (f", accuracy {record['eval_ema_accuracy']:.4f}" if "eval_ema_accuracy" in record else ""))
             if self._bar is not None:
                 self._bar.write(text)
             else:
