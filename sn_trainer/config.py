@@ -60,7 +60,8 @@ class TrainerConfig:
     """How the engine trains: the Trainer's keyword arguments, and the command line's top-level keys."""
 
     batch_size: int = option(64, "global batch per micro-step, split across the workers (and nodes)")
-    workers: int | str = option("auto", "worker processes; `auto` = physical cores // threads")
+    workers: int | str = option("auto", "worker processes; `auto` = physical cores // threads (the cores a "
+                                        "container's CPU quota and cpuset allow)")
     threads: int = option(1, "intra-op threads per worker, each on a physical core of its own")
     epochs: int = option(8, "passes over the training set (ignored when max_steps is set)")
     max_steps: int | None = option(None, "when set, stop after this many optimizer steps")

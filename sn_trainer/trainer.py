@@ -253,7 +253,7 @@ class Trainer:
             step_seconds.append(result.train_seconds / result.measured_steps)
             return result.samples_per_sec, step_seconds[-1]
 
-        calibration, rows, by_runtime = tune.search(measure, self.topology.physical_cores, cfg.batch_size,
+        calibration, rows, by_runtime = tune.search(measure, self.topology.usable_cores, cfg.batch_size,
                                                     allocators, openmps, top)
         workers, threads, runtime, rate = tune.winner(rows, by_runtime)
         result = tune.TuneResult(workers, threads, runtime.allocator, rate, rows, calibration,

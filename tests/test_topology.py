@@ -79,3 +79,43 @@ def test_empty_tree_is_an_error(tmp_path):
     (tmp_path / "devices" / "system" / "cpu" / "online").write_text("\n")
     with pytest.raises(RuntimeError, match="no usable CPU"):
         read_topology(tmp_path)
+
+
+def make_cgroup(root, proc, lines, files):
+    """A fabricated /proc/self/cgroup (``lines``) and cgroup files under <root>/fs/cgroup."""
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("\n".join(lines) + "\n")
+    for relative, text in files.items():
+        path = root / "fs" / "cgroup" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
+def test_a_containers_cpu_quota_bounds_the_workers(tmp_path, caplog):
+    """cgroup v2: 3.5 CPUs (cpu.max 350000 100000) on a 16-core view: 3 workers, each pinned."""
+    root = make_sys(tmp_path, sockets=1, cores_per_socket=16, smt=False)
+    make_cgroup(root, tmp_path / "proc", ["0::/kubepods/pod1/box"],
+                {"kubepods/cpu.max": "max 100000", "kubepods/pod1/box/cpu.max": "350000 100000"})
+    topo = read_topology(root, proc_root=tmp_path / "proc")
+    assert (topo.physical_cores, topo.cpu_quota, topo.usable_cores) == (16, 3.5, 3)
+    with caplog.at_level(logging.INFO):
+        assert auto_workers(topo, threads=1) == 3
+    assert "cgroup allows 3.50 CPUs of the 16 cores it sees" in caplog.text
+    assert plan_pinning(topo, workers=3, threads=1) == [(0,), (1,), (2,)]
+
+
+def test_cgroup_v1_quotas_and_cpusets_apply_the_tightest(tmp_path):
+    root = make_sys(tmp_path, sockets=1, cores_per_socket=8, smt=False)
+    make_cgroup(root, tmp_path / "proc", ["3:cpuset:/docker/abc", "2:cpu,cpuacct:/docker/abc", "1:memory:/docker"],
+                {"cpu,cpuacct/docker/cpu.cfs_quota_us": "600000", "cpu,cpuacct/docker/cpu.cfs_period_us": "100000",
+                 "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "-1", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+                 "cpuset/docker/abc/cpuset.cpus": "2-6"})
+    topo = read_topology(root, proc_root=tmp_path / "proc")
+    assert [c.cpus[0] for c in topo.cores] == [2, 3, 4, 5, 6]  # the cpuset's CPUs only
+    assert (topo.cpu_quota, topo.usable_cores) == (6.0, 5)  # the parent's 6 CPUs, more than the 5 cores left
+    assert auto_workers(topo, threads=2) == 2
+
+
+def test_no_cgroup_files_means_no_limit(tmp_path):
+    topo = read_topology(make_sys(tmp_path, sockets=1, cores_per_socket=4, smt=False), proc_root=tmp_path / "none")
+    assert (topo.cpu_quota, topo.usable_cores) == (None, 4)

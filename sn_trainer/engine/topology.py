@@ -1,7 +1,9 @@
-"""CPU topology: which logical CPUs form which physical cores, and which cores each worker gets."""
+"""CPU topology: which logical CPUs form which physical cores, the CPU time a container allows, and
+which cores each worker gets."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,18 @@ class PhysicalCore:
 @dataclass(frozen=True)
 class Topology:
     cores: tuple[PhysicalCore, ...]  # ordered by (numa node, socket, core id)
+    cpu_quota: float | None = None  # CPUs' worth of time the cgroup allows (a container's limit), if any
 
     @property
     def physical_cores(self) -> int:
         return len(self.cores)
+
+    @property
+    def usable_cores(self) -> int:
+        """Physical cores a run can keep busy: all of them, or as many whole CPUs as the quota allows."""
+        if self.cpu_quota is None:
+            return self.physical_cores
+        return max(1, min(self.physical_cores, math.floor(self.cpu_quota + 1e-9)))
 
     @property
     def logical_cpus(self) -> int:
@@ -61,20 +71,26 @@ def _read_int(path: Path, default: int) -> int:
         return default
 
 
-def read_topology(sys_root: str | os.PathLike = "/sys", allowed: set[int] | None = None) -> Topology:
-    """Read physical cores, SMT siblings and NUMA nodes from a sysfs tree.
+def read_topology(sys_root: str | os.PathLike = "/sys", allowed: set[int] | None = None,
+                  proc_root: str | os.PathLike = "/proc") -> Topology:
+    """Read physical cores, SMT siblings and NUMA nodes from a sysfs tree, and this process's
+    cgroup limits (a container's CPU quota and cpuset).
 
     Args:
-        sys_root: the sysfs mount (tests pass a fabricated tree).
+        sys_root: the sysfs mount (tests pass a fabricated tree, cgroups under fs/cgroup).
         allowed: logical CPUs this process may run on; default: its current affinity when
             reading the real /sys, else every online CPU of the tree.
+        proc_root: where ``self/cgroup`` names this process's cgroups.
     Returns:
-        The topology restricted to ``allowed``; with no readable sysfs, one core per
-        logical CPU that ``allowed`` names.
+        The topology restricted to ``allowed`` and the cgroup's cpuset; with no readable sysfs,
+        one core per logical CPU that ``allowed`` names.
     """
     cpu_dir = Path(sys_root) / "devices" / "system" / "cpu"
     if allowed is None and Path(sys_root) == Path("/sys") and hasattr(os, "sched_getaffinity"):
         allowed = set(os.sched_getaffinity(0))
+    limits = read_cgroup_limits(Path(sys_root) / "fs" / "cgroup", Path(proc_root) / "self" / "cgroup")
+    if limits.cpuset is not None:
+        allowed = limits.cpuset if allowed is None else allowed & limits.cpuset
     online_file = cpu_dir / "online"
     if online_file.exists():
         online = parse_cpu_list(online_file.read_text())
@@ -103,12 +119,79 @@ def read_topology(sys_root: str | os.PathLike = "/sys", allowed: set[int] | None
     cores.sort(key=lambda c: (c.numa_node, c.socket, c.core_id))
     if not cores:
         raise RuntimeError(f"no usable CPU found under {cpu_dir}")
-    return Topology(cores=tuple(cores))
+    return Topology(cores=tuple(cores), cpu_quota=limits.quota)
+
+
+@dataclass(frozen=True)
+class CgroupLimits:
+    quota: float | None  # CPUs' worth of time per period (cpu.max, cpu.cfs_quota_us / cpu.cfs_period_us)
+    cpuset: set[int] | None  # the logical CPUs the cgroup allows
+
+
+def read_cgroup_limits(cgroup_root: Path, self_cgroup: Path) -> CgroupLimits:
+    """The CPU limits of this process's cgroup and its ancestors (the tightest applies), v2 or v1.
+
+    With no cgroup files (not Linux, no limit set), no limits.
+    """
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return CgroupLimits(None, None)
+    quotas, cpusets = [], []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",") if controllers else []
+        if not names:  # v2: one unified hierarchy
+            for folder in _ancestors(cgroup_root, path):
+                quotas.append(_v2_quota(folder / "cpu.max"))
+                cpusets.append(_cpuset(folder / "cpuset.cpus.effective") or _cpuset(folder / "cpuset.cpus"))
+        elif "cpu" in names:
+            for mount in (cgroup_root / controllers, cgroup_root / "cpu"):
+                for folder in _ancestors(mount, path):
+                    quota = _read_int(folder / "cpu.cfs_quota_us", -1)
+                    period = _read_int(folder / "cpu.cfs_period_us", 0)
+                    quotas.append(quota / period if quota > 0 and period > 0 else None)
+        elif "cpuset" in names:
+            for folder in _ancestors(cgroup_root / "cpuset", path):
+                cpusets.append(_cpuset(folder / "cpuset.cpus"))
+    known_quotas = [q for q in quotas if q is not None]
+    known_sets = [c for c in cpusets if c is not None]
+    cpuset = set.intersection(*known_sets) if known_sets else None
+    return CgroupLimits(min(known_quotas) if known_quotas else None, cpuset)
+
+
+def _ancestors(mount: Path, path: str) -> list[Path]:
+    """A cgroup's folder and those above it, up to the mount (which exist)."""
+    parts = [p for p in path.split("/") if p]
+    folders = [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+    return [f for f in folders if f.is_dir()]
+
+
+def _v2_quota(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
+
+
+def _cpuset(path: Path) -> set[int] | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return set(parse_cpu_list(text)) if text else None
 
 
 def auto_workers(topology: Topology, threads: int) -> int:
-    """``workers=auto``: as many workers as fit on the physical cores at ``threads`` each."""
-    return max(1, topology.physical_cores // threads)
+    """``workers=auto``: as many workers as fit on the usable cores at ``threads`` each: the
+    physical cores, or fewer where a container's CPU quota is smaller than the cores it sees."""
+    workers = max(1, topology.usable_cores // threads)
+    if topology.usable_cores < topology.physical_cores:
+        log.info("workers=auto: %d workers x %d threads: this process's cgroup allows %.2f CPUs of the %d cores it "
+                 "sees (a container's CPU limit); more workers would wait for the quota", workers, threads,
+                 topology.cpu_quota, topology.physical_cores)
+    return workers
 
 
 def oversubscription(topology: Topology, workers: int, threads: int) -> str | None:
