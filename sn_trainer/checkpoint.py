@@ -28,12 +28,12 @@ _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[Any],
           run: dict[str, Any], config: dict[str, Any] | None, schedule: dict[str, Any] | None = None,
-          ema: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+          ema: dict[str, torch.Tensor] | None = None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """The checkpoint's contents (``optimizer`` as ``engine.state.gather`` gives it; ``schedule``: a
     metric-driven scheduler's state, which a resume cannot replay; ``ema``: the parameters'
-    moving average by name)."""
+    moving average by name; ``aliases``: the model's tied names, alias -> first name)."""
     return {"format": FORMAT, "version": VERSION, "step": step, "model": model, "optimizer": optimizer, "rng": rng,
-            "run": run, "config": config or {}, "schedule": schedule, "ema": ema}
+            "run": run, "config": config or {}, "schedule": schedule, "ema": ema, "aliases": aliases or {}}
 
 
 def is_finite(checkpoint: dict[str, Any]) -> bool:

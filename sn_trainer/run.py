@@ -132,6 +132,8 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         "last_checkpoint": result.last_checkpoint,
         "process": _process_hygiene(),
     }
+    if not cfg.bench.enabled:
+        summary["weights"] = _write_weights(result, out)
     if text and not cfg.bench.enabled:
         summary["sample"] = _write_sample(model, data, out, settings.seed)
         print(f"sample:\n{summary['sample']}\n", flush=True)
@@ -156,6 +158,15 @@ def _warn_of_a_short_run(cfg: RunConfig, total_steps: int, lr: float) -> None:
         log.warning("optim.warmup_steps=%d is longer than this run's %d steps: the learning rate ends at %.4g, "
                     "never reaching the %.4g asked; lower optim.warmup_steps or train longer", warmup, total_steps,
                     reached, lr)
+
+
+def _write_weights(result, out: Path) -> list[str]:
+    """model.safetensors (and model_ema.safetensors) in the output folder, where safetensors is installed."""
+    try:
+        return [path.name for path in result.save(out)]
+    except ImportError as exc:
+        log.info("%s; the trained weights are in the checkpoints (python -m sn_trainer.export converts them)", exc)
+        return []
 
 
 def _write_sample(model, data, out: Path, seed: int, new_tokens: int = 300) -> str:

@@ -40,7 +40,7 @@ from .engine.cluster import Cluster
 from .engine.events import CheckpointPart, Evaluation, WorkerResult
 from .engine.comm import SHM_SAFE, ShmBuffers
 from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
-from .engine.layout import FlatLayout, trainable_parameters
+from .engine.layout import FlatLayout, tied_aliases, trainable_parameters
 from .engine.objective import MEAN, Objective
 from .engine.phases import JobPhase
 from .engine.plan import Placement, Plan
@@ -94,6 +94,23 @@ class FitResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def save(self, folder: str | os.PathLike) -> list[Path]:
+        """Write the trained weights as ``folder/model.safetensors`` (and, with ema_decay, the moving
+        average's as ``folder/model_ema.safetensors``), each tied weight once; load them with
+        ``safetensors.torch.load_model(model, path)``.
+
+        Raises:
+            ImportError: safetensors is not installed (``pip install sn_trainer[safetensors]``).
+        """
+        from .export import EMA_WEIGHTS, WEIGHTS, save_weights
+
+        model = self._model
+        tied = tied_aliases(model)
+        written = [save_weights(model.state_dict(), tied, Path(folder) / WEIGHTS)]
+        if self.ema_state_dict is not None:
+            written.append(save_weights(self.ema_state_dict, tied, Path(folder) / EMA_WEIGHTS))
+        return written
 
 
 class _TensorFreePickler(pickle.Pickler):
@@ -341,6 +358,7 @@ class Trainer:
         hooks.call("on_fit_start", self, run.plan(0))
         outcome = self._train(run, hooks, writer)
         result = self._result(run, outcome, history.records, writer)
+        result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
         hooks.call("on_fit_end", self, result)
         return result
 
@@ -827,7 +845,7 @@ class _CheckpointWriter(Callback):
         optimizer, schedule = checkpoint.phase_entries(optimizers, schedules)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
                                  {**self.facts, "workers": self.layout.world_size}, self.config, schedule=schedule,
-                                 ema=ordered[0].get("ema"))
+                                 ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"))
         try:
             self.last_saved = self.directory.save(saved)
         except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from

@@ -36,6 +36,7 @@ def test_run_writes_summary_metrics_and_log(tmp_path):
     assert summary["machine"]["physical_cores"] >= 1 and summary["config"]["batch_size"] == 32
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows if r["loss"]] == [2, 4, 6]
+    assert summary["weights"] == ["model.safetensors"] and (out / "model.safetensors").stat().st_size > 0
     assert rows[-1]["eval_accuracy"] != ""
     assert (out / "__main__.log").exists() or any(out.glob("*.log"))
 

@@ -391,3 +391,54 @@ def test_phases_are_checked_before_any_worker_starts(no_leaks):
 
 def all_params(model):
     return model.parameters()
+
+
+# --- weights out, as safetensors --------------------------------------------------------------------------
+
+def test_the_trained_weights_load_from_safetensors_into_a_fresh_model_ties_and_all(tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from helpers import TinyGPT, token_dataset
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    result = Trainer(workers=2, batch_size=6, max_steps=3, ema_decay=0.5, checkpoint_dir=str(tmp_path / "ckpt")).fit(
+        model, token_dataset(), optimizer=ADAM, step_fn=gpt_step)
+    written = result.save(tmp_path / "out")
+    assert [p.name for p in written] == ["model.safetensors", "model_ema.safetensors"]
+    with safe_open(written[0], "pt") as f:
+        names = set(f.keys())
+    assert len({"wte.weight", "head.weight"} & names) == 1  # the tied weight, once
+    fresh = TinyGPT()
+    load_model(fresh, written[0])
+    assert fresh.head.weight is fresh.wte.weight
+    for (name, mine), theirs in zip(fresh.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    averaged = TinyGPT()
+    load_model(averaged, written[1])
+    for name, value in result.ema_state_dict.items():
+        assert torch.equal(averaged.state_dict()[name], value), name
+    # Any checkpoint converts the same way, from the command line.
+    checkpoint_file = CheckpointDir(tmp_path / "ckpt").latest()
+    done = subprocess.run([sys.executable, "-m", "sn_trainer.export", str(checkpoint_file), str(tmp_path / "conv")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    converted = TinyGPT()
+    load_model(converted, tmp_path / "conv" / "model.safetensors")
+    assert converted.head.weight is converted.wte.weight
+    for (name, mine), theirs in zip(converted.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    converted_ema = TinyGPT()
+    load_model(converted_ema, tmp_path / "conv" / "model_ema.safetensors")
+    for name, value in result.ema_state_dict.items():
+        assert torch.equal(converted_ema.state_dict()[name], value), name
+
+
+def gpt_step(model, batch):
+    idx, targets = batch
+    _, loss = model(idx, targets)
+    return loss

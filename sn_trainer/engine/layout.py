@@ -78,6 +78,18 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Names in ``model.state_dict()`` that are another name's tensor (tied weights): alias -> first name."""
+    first: dict[int, str] = {}
+    found = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            found[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return found
+
+
 def view(flat: torch.Tensor, offset: int, shape: tuple[int, ...], channels_last: bool) -> torch.Tensor:
     """``flat[offset : offset + numel]`` seen as a tensor of ``shape`` (channels-last stored if asked)."""
     n = 1

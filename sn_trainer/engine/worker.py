@@ -26,7 +26,7 @@ from .cluster import Cluster
 from .comm import CrossNodeReducer, ShmBuffers, make_reducer
 from .events import CheckpointPart, Evaluation, Progress, WorkerResult
 from .launch import Heartbeats, pack
-from .layout import FlatLayout
+from .layout import FlatLayout, tied_aliases
 from .objective import Objective, Precision
 from .phases import JobPhase, WorkerPhase
 from .plan import Plan
@@ -316,6 +316,7 @@ class Replica:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
             part["ema"] = self.layout.by_name(self.job.ema) if self.job.ema is not None else None
+            part["aliases"] = tied_aliases(self.model)
         return pack(part)
 
     def close(self) -> None:
