@@ -67,21 +67,24 @@ class Script:
 
 def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
            eval_samples: int, objective: Objective, phases: list[JobPhase], precision: str,
-           channels_last: bool) -> Script:
+           channels_last: bool, collate_fn=None, eval_collate_fn=None) -> Script:
     """Read one training slice of ``train_samples``, one evaluation slice of ``eval_samples``, and
-    the samples the loss's form is measured on.
+    the samples the loss's form is measured on (each collated as the workers will).
 
     Raises:
         UserCodeError: a dataset failed to give them.
     """
-    train = _attempt("reading a training batch", lambda: fetch_batch(train_set, torch.arange(train_samples))) \
+    train = _attempt("reading a training batch",
+                     lambda: fetch_batch(train_set, torch.arange(train_samples), collate_fn)) \
         if train_set is not None else None
-    evaluation = _attempt("reading an evaluation batch", lambda: fetch_batch(eval_set, torch.arange(eval_samples))) \
+    evaluation = _attempt("reading an evaluation batch",
+                          lambda: fetch_batch(eval_set, torch.arange(eval_samples), eval_collate_fn)) \
         if eval_set is not None else None
-    data = train_set if train_set is not None else eval_set
+    data, collate = (train_set, collate_fn) if train_set is not None else (eval_set, eval_collate_fn)
     picked = torch.linspace(0, len(data) - 1, min(PROBE_SAMPLES, len(data))).round().long().unique()
-    group = _attempt("reading samples", lambda: fetch_batch(data, picked))
-    singles = _attempt("reading samples", lambda: [fetch_batch(data, picked[i : i + 1]) for i in range(len(picked))])
+    group = _attempt("reading samples", lambda: fetch_batch(data, picked, collate))
+    singles = _attempt("reading samples",
+                       lambda: [fetch_batch(data, picked[i : i + 1], collate) for i in range(len(picked))])
     return Script(model, train, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
                   group, singles)
 

@@ -312,6 +312,8 @@ class Trainer:
         param_groups: Callable[[nn.Module], Any] | None = None,
         callbacks: list[Callback] | None = None,
         phases: list[Phase] | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        eval_collate_fn: Callable[[list], Any] | None = None,
     ) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
@@ -339,6 +341,9 @@ class Trainer:
                 optimizer and scheduler, updated in turn every step (a GAN's D, then G); instead
                 of loss_fn/step_fn, param_groups, optimizer and scheduler. Evaluation computes the
                 first phase's loss and metric_fn's metrics.
+            collate_fn: ``collate_fn(items)`` makes a batch of a worker's slice of the dataset's
+                items, as a DataLoader with it would (padding variable-length samples, say).
+            eval_collate_fn: the same for the evaluation set; default collate_fn.
         Raises:
             ConfigError: bad arguments, or a scalar loss that cannot be split exactly where the
                 run splits it, before any process starts.
@@ -351,7 +356,8 @@ class Trainer:
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []), *(callbacks or [])])
         run = self._resolve(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
-                            param_groups, run_config, phases)
+                            param_groups, run_config, phases, collate_fn,
+                            eval_collate_fn if eval_collate_fn is not None else collate_fn)
         writer = _CheckpointWriter(run, hooks)
         hooks = Callbacks([writer, *hooks.callbacks])
         self.should_stop = self.should_checkpoint = False
@@ -363,7 +369,7 @@ class Trainer:
         return result
 
     def _resolve(self, model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
-                 run_config, phases) -> "_Run":
+                 run_config, phases, collate_fn, eval_collate_fn) -> "_Run":
         """Check everything, rehearse the user's code on one micro-batch, and decide every setting
         of the run once."""
         cfg = self.config
@@ -377,9 +383,9 @@ class Trainer:
             objective = Objective(step_fn=phases[0].step_fn, metric_fn=metric_fn)
         else:
             objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(train_set, "train_set", lambda item: objective.accepts(item, model))
+        check_sample(train_set, "train_set", _accepts(objective, model, collate_fn))
         if eval_set is not None:
-            check_sample(eval_set, "eval_set", lambda item: objective.accepts(item, model))
+            check_sample(eval_set, "eval_set", _accepts(objective, model, eval_collate_fn))
         per_epoch, total_steps = self.steps(len(train_set))
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
@@ -393,7 +399,8 @@ class Trainer:
                         "before fit to train with them")
         job_phases = _job_phases(model, trainable, phases, objective, optimizer, param_groups, scheduler)
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
-                          (train_set, "train_set"), (eval_set, "eval_set")):
+                          (train_set, "train_set"), (eval_set, "eval_set"), (collate_fn, "collate_fn"),
+                          (eval_collate_fn, "eval_collate_fn")):
             _check_sendable(obj, what)
         for phase in job_phases:
             where = f"phase {phase.name!r}: " if phases else ""
@@ -405,7 +412,7 @@ class Trainer:
         rehearsal = self._rehearse(preflight.script(
             model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
             min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, job_phases,
-            placement.precision, channels_last))
+            placement.precision, channels_last, collate_fn, eval_collate_fn))
         objective.eval_keys = rehearsal.eval_keys
         splits = placement.global_workers * cfg.accumulate > 1
         for phase, found in zip(job_phases, rehearsal.phases):
@@ -440,7 +447,8 @@ class Trainer:
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
                     profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
-        return _Run(model=model, train_set=train_set, eval_set=eval_set, objective=objective, phases=job_phases,
+        return _Run(model=model, train_set=train_set, eval_set=eval_set, collate_fn=collate_fn,
+                    eval_collate_fn=eval_collate_fn, objective=objective, phases=job_phases,
                     layout=layout, rehearsal=rehearsal, first_plan=plan,
                     directory=directory, resume_from=resume_from, facts=facts, run_config=run_config,
                     initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -468,7 +476,8 @@ class Trainer:
                 try:
                     launcher_cpu = -_own_cpu_seconds()
                     results, peak, ema = self._run(run.model, run.layout, run.train_set, run.eval_set,
-                                                   run.objective, run.phases, plan, relay, resume)
+                                                   run.objective, run.phases, plan, relay, resume,
+                                                   collate=(run.collate_fn, run.eval_collate_fn))
                     return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts, ema)
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
@@ -592,18 +601,19 @@ class Trainer:
 
     def evaluate(self, model: nn.Module, dataset: Dataset, loss_fn: Callable[..., torch.Tensor] | None = None,
                  step_fn: Callable[[nn.Module, Any], Any] | None = None,
-                 metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+                 metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
+                 collate_fn: Callable[[list], Any] | None = None) -> dict[str, Any]:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
         cfg, placement = self.config, self.placement
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(dataset, "dataset", lambda item: objective.accepts(item, model))
+        check_sample(dataset, "dataset", _accepts(objective, model, collate_fn))
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
-                          (dataset, "dataset")):
+                          (dataset, "dataset"), (collate_fn, "collate_fn")):
             _check_sendable(obj, what)
         channels_last = self._channels_last(model)
         rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size),
-                                                    objective, [], placement.precision,
-                                                    channels_last))
+                                                    objective, [], placement.precision, channels_last,
+                                                    eval_collate_fn=collate_fn))
         objective.eval_keys = rehearsal.eval_keys
         objective.form = rehearsal.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
         layout = FlatLayout(model, placement.workers, channels_last)
@@ -611,7 +621,8 @@ class Trainer:
                     dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
                     eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
                     worker_timeout=cfg.worker_timeout)
-        results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None)
+        results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None,
+                                  collate=(None, collate_fn))
         return dict(results[0].eval_metrics)
 
     def _channels_last(self, model: nn.Module) -> bool:
@@ -634,7 +645,7 @@ class Trainer:
     # --- one launch of the workers -------------------------------------------------------------
 
     def _run(self, model, layout: FlatLayout, train_set, eval_set, objective: Objective, phases: list[JobPhase],
-             plan: Plan, relay, resume, target=run_worker):
+             plan: Plan, relay, resume, target=run_worker, collate=(None, None)):
         placement = plan.placement
         rendezvous_dir = _rendezvous_dir()
         shared = SharedParams(model, layout, ema=plan.ema_decay is not None,
@@ -654,7 +665,8 @@ class Trainer:
             job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train_set=train_set, eval_set=eval_set,
                       objective=objective, phases=phases,
                       board=Board.allocate(placement.workers, len(layout.slots), buffer_count(model)), stop=self._stop,
-                      heartbeats=heartbeats, shm=shm, ema=shared.ema)
+                      heartbeats=heartbeats, shm=shm, ema=shared.ema, collate_fn=collate[0],
+                      eval_collate_fn=collate[1])
             specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
                                 resume=resume["ranks"][r] if resume else None, cluster=self.cluster)
                      for r in range(placement.workers)]
@@ -677,6 +689,8 @@ class _Run:
     model: nn.Module
     train_set: Dataset
     eval_set: Dataset | None
+    collate_fn: Callable[[list], Any] | None
+    eval_collate_fn: Callable[[list], Any] | None
     objective: Objective  # evaluation's
     phases: list[JobPhase]  # training's: one optimizer each
     layout: FlatLayout
@@ -752,6 +766,12 @@ def _job_phases(model: nn.Module, trainable: list[nn.Parameter], phases: list[Ph
         factory = phase.optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
         resolved.append(JobPhase(name, phase_objective, factory, groups.options, groups.slot_groups, phase.scheduler))
     return resolved
+
+
+def _accepts(objective: Objective, model: nn.Module, collate_fn) -> Callable[[Any], str | None]:
+    """What check_sample asks of a dataset's items: the objective's check, or, with a collate
+    function, nothing (its batches are what the objective gets; the preflight runs them)."""
+    return (lambda item: None) if collate_fn is not None else (lambda item: objective.accepts(item, model))
 
 
 def _objective(loss_fn, step_fn, metric_fn) -> Objective:

@@ -115,8 +115,9 @@ def test_bad_arguments_to_fit_are_refused_before_any_process_starts(no_leaks):
         trainer.fit(SmallConvNet(), tiny_dataset(n=5), optimizer=SGD)
     with pytest.raises(ConfigError, match="the optimizer factory cannot be sent"):
         trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    with pytest.raises(ConfigError, match=r"^train_set is a DataLoader; pass its dataset \(train_set=loader.dataset\) "
-                                          r"and the batch size as Trainer\(batch_size=...\)"):
+    with pytest.raises(ConfigError, match=r"^train_set is a DataLoader; pass its dataset and collate function, "
+                                          r"fit\(train_set=loader.dataset, collate_fn=loader.collate_fn\), and the "
+                                          r"batch size as Trainer\(batch_size=...\)"):
         trainer.fit(SmallConvNet(), DataLoader(tiny_dataset(), batch_size=8), optimizer=SGD)
     with pytest.raises(ConfigError, match=r"^train_set is an IterableDataset \(Stream\); sn_trainer reads samples by "
                                           r"index: pass a map-style dataset"):

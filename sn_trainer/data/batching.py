@@ -11,13 +11,16 @@ from torch.utils.data._utils.collate import default_collate
 from ..errors import ConfigError
 
 
-def fetch_batch(dataset: Dataset, indices: torch.Tensor) -> Any:
+def fetch_batch(dataset: Dataset, indices: torch.Tensor, collate_fn: Callable[[list], Any] | None = None) -> Any:
     """Gather ``indices`` from ``dataset`` as one batch, collated as a DataLoader would.
 
-    Datasets that can gather a whole batch at once (a ``get_batch(indices)`` method, as the
-    built-in ones have, or a TensorDataset) do so in one vectorised index; any other map-style
-    dataset is read item by item and collated.
+    With ``collate_fn``, the items are read one by one and handed to it, as a DataLoader with
+    that ``collate_fn`` does. Else datasets that can gather a whole batch at once (a
+    ``get_batch(indices)`` method, as the built-in ones have, or a TensorDataset) do so in one
+    vectorised index, and any other map-style dataset is read item by item and collated.
     """
+    if collate_fn is not None:
+        return collate_fn([dataset[int(i)] for i in indices])
     if hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
     if isinstance(dataset, TensorDataset):
@@ -52,8 +55,9 @@ def check_sample(dataset: Dataset, name: str, accepts: Callable[[Any], str | Non
         accepts: ``accepts(item)`` says why ``item`` cannot be a sample (None: it can).
     """
     if isinstance(dataset, DataLoader):
-        raise ConfigError(f"{name} is a DataLoader; pass its dataset ({name}=loader.dataset) and the batch size as "
-                          "Trainer(batch_size=...): sn_trainer draws and splits every global batch itself")
+        raise ConfigError(f"{name} is a DataLoader; pass its dataset and collate function, fit({name}=loader.dataset, "
+                          "collate_fn=loader.collate_fn), and the batch size as Trainer(batch_size=...): sn_trainer "
+                          "draws and splits every global batch itself")
     if isinstance(dataset, IterableDataset):
         raise ConfigError(f"{name} is an IterableDataset ({type(dataset).__name__}); sn_trainer reads samples by "
                           "index: pass a map-style dataset (__len__ and __getitem__), e.g. "

@@ -53,6 +53,8 @@ class Job:
     heartbeats: Heartbeats
     shm: ShmBuffers | None = None
     ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
+    collate_fn: Callable[[list], Any] | None = None  # items of a training slice -> its batch (None: stacked)
+    eval_collate_fn: Callable[[list], Any] | None = None
 
 
 @dataclass
@@ -214,7 +216,8 @@ class Replica:
         start, stop = slice_bounds(len(indices), self.global_workers, self.global_rank)
         if start == stop:
             return None, 0
-        return in_layout(fetch_batch(self.job.train_set, indices[start:stop]), self.plan.channels_last), stop - start
+        batch = fetch_batch(self.job.train_set, indices[start:stop], self.job.collate_fn)
+        return in_layout(batch, self.plan.channels_last), stop - start
 
     def step_totals(self, round_: int, objective: Objective) -> StepTotals:
         totals = self.job.board.totals(round_)
@@ -286,7 +289,7 @@ class Replica:
             for lo in range(start, stop, self.plan.eval_batch_size):
                 beat("eval")
                 indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
-                batch = in_layout(fetch_batch(dataset, indices), self.plan.channels_last)
+                batch = in_layout(fetch_batch(dataset, indices, self.job.eval_collate_fn), self.plan.channels_last)
                 found = self.objective.eval_terms(self.model, batch, len(indices), self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
