@@ -39,7 +39,7 @@ from .engine.board import Board
 from .engine.cluster import Cluster
 from .engine.events import CheckpointPart, Evaluation, WorkerResult
 from .engine.comm import SHM_SAFE, ShmBuffers
-from .engine.launch import Heartbeats, Watchdog, launch, starts_warm, unpack, warm_up
+from .engine.launch import Heartbeats, JobPickler, Watchdog, launch, starts_warm, unpack, warm_up
 from .engine.layout import FlatLayout, tied_aliases, trainable_parameters
 from .engine.objective import MEAN, Objective
 from .engine.phases import JobPhase
@@ -113,8 +113,9 @@ class FitResult:
         return written
 
 
-class _TensorFreePickler(pickle.Pickler):
-    """Pickles everything but tensors: enough to tell whether an object can reach a worker."""
+class _TensorFreePickler(JobPickler):
+    """Pickles everything but tensors, as a job is pickled: enough to tell whether an object can
+    reach a worker (lambdas, local functions and what a notebook defines can)."""
 
     def persistent_id(self, obj):
         return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) else None
@@ -125,8 +126,8 @@ def _check_sendable(obj: Any, what: str) -> None:
         _TensorFreePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except Exception as exc:  # noqa: BLE001 - pickling fails in many ways; all mean the same here
         raise ConfigError(
-            f"{what} cannot be sent to a worker process ({exc}); define its classes and functions "
-            "at module level (no lambdas, local classes or open files)"
+            f"{what} cannot be sent to a worker process ({exc}); it holds something no process can receive "
+            "(an open file, a lock, a generator, a socket): create it in the worker, e.g. lazily on first use"
         ) from None
 
 

@@ -3,11 +3,13 @@ import functools
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from helpers import Bomb, SmallConvNet, tiny_dataset
@@ -50,6 +52,17 @@ def test_a_worker_stopped_halfway_through_a_message_is_still_watched(no_leaks):
     assert time.monotonic() - started < 20
 
 
+def test_lambdas_and_local_functions_reach_the_workers(no_leaks):
+    scale = 0.1
+
+    def optimizer(params):  # local, with a closure
+        return torch.optim.SGD(params, lr=scale)
+
+    result = Trainer(workers=2, batch_size=8, max_steps=2).fit(ModelWithLambda(), tiny_dataset(), optimizer=optimizer,
+                                                               loss_fn=lambda out, y: F.cross_entropy(out, y))
+    assert result.steps == 2 and result.plan["loss_form"] == "mean"
+
+
 def test_two_runs_at_once_both_succeed(no_leaks):
     models = []
     for _ in range(2):  # built here, not in the threads: torch's global RNG is shared between them
@@ -88,7 +101,16 @@ class Stream(IterableDataset):
 class ModelWithLambda(SmallConvNet):
     def __init__(self):
         super().__init__()
-        self.activation = lambda x: x
+        self.activation = lambda x: torch.relu(x)  # travels by value (cloudpickle), as a notebook's code does
+
+    def forward(self, x):
+        return self.fc(self.activation(self.conv(x)).flatten(1))
+
+
+class ModelWithALock(SmallConvNet):
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()  # no process can receive a lock
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -107,14 +129,14 @@ def test_bad_settings_are_refused_up_front(settings, message):
 
 def test_bad_arguments_to_fit_are_refused_before_any_process_starts(no_leaks):
     trainer = Trainer(workers=2, batch_size=8, max_steps=1)
-    with pytest.raises(ConfigError, match="the model cannot be sent to a worker process"):
-        trainer.fit(ModelWithLambda(), tiny_dataset(), optimizer=SGD)
+    with pytest.raises(ConfigError, match=r"the model cannot be sent to a worker process \(cannot pickle '_thread.lock'"):
+        trainer.fit(ModelWithALock(), tiny_dataset(), optimizer=SGD)
     with pytest.raises(ConfigError, match=r"not an \(input, target\) pair"):
         trainer.fit(SmallConvNet(), DictDataset(), optimizer=SGD)
     with pytest.raises(ConfigError, match="fewer than one step's batch"):
         trainer.fit(SmallConvNet(), tiny_dataset(n=5), optimizer=SGD)
     with pytest.raises(ConfigError, match="the optimizer factory cannot be sent"):
-        trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        trainer.fit(SmallConvNet(), tiny_dataset(), optimizer=functools.partial(torch.optim.SGD, lr=threading.Lock()))
     with pytest.raises(ConfigError, match=r"^train_set is a DataLoader; pass its dataset and collate function, "
                                           r"fit\(train_set=loader.dataset, collate_fn=loader.collate_fn\), and the "
                                           r"batch size as Trainer\(batch_size=...\)"):

@@ -45,12 +45,36 @@ def start(runtime: Runtime = Runtime()) -> None:
     """
     if not available() or _running or getattr(multiprocessing.current_process(), "_inheriting", False):
         return
-    multiprocessing.set_forkserver_preload(PRELOAD + (["torchvision"] if "torchvision" in sys.modules else []))
+    preload = PRELOAD if _main_is_a_file() else [m for m in PRELOAD if m != "__main__"]
+    multiprocessing.set_forkserver_preload(preload + (["torchvision"] if "torchvision" in sys.modules else []))
     _own_temp_dir()
     with preloading(runtime.libraries()):
         multiprocessing.forkserver.ensure_running()
     _running["runtime"] = runtime
     atexit.register(_stop)
+
+
+def _main_is_a_file() -> bool:
+    """Whether the main module is a file a new process can import (not a script read from stdin,
+    nor ``python -c``: their code reaches the workers by value)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and os.path.isfile(path)
+
+
+@contextmanager
+def main_as_a_file_only():
+    """While processes start: a main module whose ``__file__`` names no file (``<stdin>``) shows
+    none, so that multiprocessing does not tell the new process to run it again."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    hidden = path is not None and not _main_is_a_file()
+    if hidden:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if hidden:
+            main.__file__ = path
 
 
 @contextmanager

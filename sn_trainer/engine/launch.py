@@ -8,10 +8,12 @@ and exits with it. ``start_method="spawn"`` starts each worker from a fresh inte
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import io
 import logging
 import os
+import pickle
 import queue
 import select
 import signal
@@ -22,8 +24,10 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import cloudpickle
 import psutil
 import torch
 import torch.multiprocessing as mp
@@ -40,6 +44,21 @@ _PR_SET_PDEATHSIG = 1
 PHASES = ("setup", "data", "forward", "backward", "reduce", "update", "wait", "eval", "sync", "checkpoint")
 # Phases in which a worker waits for its peers: one stuck there is a victim, not the cause.
 _WAITING = frozenset({"reduce", "wait", "sync", "setup"})
+
+
+class JobPickler(cloudpickle.Pickler):
+    """How a job reaches its workers: cloudpickle, so that classes and functions of ``__main__`` (a
+    notebook's cells, a script read from stdin, ``python -c``), lambdas and local functions travel
+    by value, as Ray, Dask and joblib send them; with multiprocessing's reducers, so that tensors in
+    shared memory travel as handles, never as copies."""
+
+    dispatch_table = collections.ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    JobPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def pack(obj: Any) -> bytes:
@@ -194,7 +213,7 @@ def _bootstrap(conn: Connection, launcher_pid: int) -> None:
     try:
         # The job comes through the pipe, not as the process's arguments: its shared tensors are
         # then handed over one descriptor at a time, however many a model has.
-        target, payload, stop, environment = conn.recv()
+        target, payload, stop, environment = pickle.loads(conn.recv_bytes())
         _adopt_environment(environment)
         if stop is not None:
             stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
@@ -249,15 +268,16 @@ def launch(
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
             spawned = ctx.get_start_method() == "spawn"
-            with forkserver.preloading(runtime.libraries() if spawned else []):
+            with forkserver.preloading(runtime.libraries() if spawned else []), forkserver.main_as_a_file_only():
                 proc.start()
             theirs.close()
             procs.append(proc)
             conns.append(mine)
         environment = dict(os.environ)  # as it is now: a warm worker's server was started earlier
         for conn, payload in zip(conns, payloads):
+            job = dumps((target, payload, stop, environment))
             try:
-                conn.send((target, payload, stop, environment))
+                conn.send_bytes(job)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died before reading its job: supervision reports how
         inbox = _Inbox(conns)

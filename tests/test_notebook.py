@@ -1,0 +1,81 @@
+"""Where PyTorch code is first written: a notebook's cells, a script on standard input. Their
+classes and functions live in ``__main__``, which no worker can import: they travel by value."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+TESTS = Path(__file__).resolve().parent
+
+CELLS = [
+    f"import sys; sys.path.insert(0, {str(TESTS)!r})",
+    """
+import copy, functools
+import torch
+import torch.nn.functional as F
+from torch import nn
+from helpers import plain_batches, tiny_dataset
+from sn_trainer import Trainer
+""",
+    """
+class Net(nn.Module):  # defined in a cell: __main__.Net
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 3), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def collate(items):  # a cell's collate: stacks (image, label) pairs
+    return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items])
+
+
+def step(model, batch):  # a cell's step function
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets, reduction="sum"), len(targets)
+""",
+    """
+torch.manual_seed(0)
+model = Net().double()
+data = tiny_dataset(dtype=torch.float64)
+sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+reference = copy.deepcopy(model)
+optimizer = sgd(reference.parameters())
+for _, batch in zip(range(4), plain_batches(data, 7, seed=3)):
+    optimizer.zero_grad()
+    loss_sum, count = step(reference, batch)
+    (loss_sum / count).backward()
+    optimizer.step()
+""",
+    """
+result = Trainer(workers=2, batch_size=7, max_steps=4, seed=3).fit(model, data, optimizer=sgd, step_fn=step,
+                                                                   collate_fn=collate)
+worst = max(((p - q).abs() / q.abs().clamp_min(1e-12)).max().item()
+            for p, q in zip(model.parameters(), reference.parameters()))
+print(f"workers {result.workers}, largest relative difference {worst:.3g}")
+""",
+]
+
+
+def test_a_notebook_trains_its_own_classes_and_functions_exactly(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(textwrap.dedent(c)) for c in CELLS])
+    NotebookClient(notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+                   ).execute()
+    printed = "".join(out.get("text", "") for out in notebook.cells[-1].outputs)
+    workers, worst = printed.split("workers ")[1].split(", largest relative difference ")
+    assert int(workers) == 2 and float(worst) < 1e-10, printed
+
+
+def test_a_script_read_from_standard_input_trains():
+    script = "\n".join(textwrap.dedent(c) for c in CELLS)
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    workers, worst = done.stdout.split("workers ")[1].split(", largest relative difference ")
+    assert int(workers) == 2 and float(worst) < 1e-10, done.stdout
