@@ -10,7 +10,6 @@ the user's code needs.
 from __future__ import annotations
 
 import copy
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any

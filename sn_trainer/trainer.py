@@ -13,7 +13,6 @@ import math
 import os
 import pickle
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable

@@ -288,7 +288,7 @@ def test_soak_twenty_jobs_hold_no_more_at_the_end_than_after_the_first(tmp_path)
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "sn_trainer", "--multirun", "dataset=synthetic",
                            "dataset.train_size=128", "dataset.test_size=16", "batch_size=16", "workers=2",
-                           "max_steps=2", "checkpoint.every_steps=1", f"seed=range(0,20)",
+                           "max_steps=2", "checkpoint.every_steps=1", "seed=range(0,20)",
                            f"hydra.sweep.dir={sweep}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     jobs = sorted(sweep.glob("*/summary.json"), key=lambda p: int(p.parent.name.split("_")[0]))

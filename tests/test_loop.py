@@ -355,7 +355,6 @@ def gan_data():
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
-    from sn_trainer import Phase
 
     torch.manual_seed(0)
     model = TinyGAN().double()
@@ -377,7 +376,6 @@ def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
 
 
 def test_phases_are_checked_before_any_worker_starts(no_leaks):
-    from sn_trainer import Phase
 
     data = gan_data()
     with pytest.raises(ConfigError, match=r"is in phases 'D' and 'all'; each parameter may be in one phase only"):

@@ -1,5 +1,4 @@
 """Two "nodes" on this machine: two torchrun invocations meeting in a c10d rendezvous on 127.0.0.1."""
-import copy
 import os
 import socket
 import subprocess

@@ -17,7 +17,6 @@ import pickle
 import queue
 import select
 import signal
-import sys
 import threading
 import time
 import traceback

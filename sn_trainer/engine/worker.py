@@ -6,8 +6,7 @@ import math
 import os
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
