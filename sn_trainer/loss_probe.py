@@ -51,13 +51,14 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
     model.eval()
     params = [p for _, p in trainable_parameters(model)]
     dtype = params[0].dtype if params else torch.float32
-    first = objective.loss_value(model, group, FP32, dtype)
+    with torch.no_grad():  # only its kind matters here
+        first = objective.loss_value(model, group, FP32, dtype)
     if isinstance(first, (tuple, list)):
         return Finding(COUNTED, "(loss_sum, count) given")  # nothing to measure
     if objective.model_loss and isinstance(group, Mapping) and "labels" in group:
         form = _token_form(model, group, dtype)
         if form is not None:
-            return Finding(form, "the model sums kept labels when told num_items_in_batch")
+            return Finding(form, "the model's mean over the labels it keeps")
     if len(singles) < 2:
         return Finding(MEAN, "too few samples to split")
     tolerance = min(1e-2, max(1e-6, 1000 * torch.finfo(dtype).eps))  # some models compute parts in fp32 anyway

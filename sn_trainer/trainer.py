@@ -748,8 +748,7 @@ def _job_phases(model: nn.Module, trainable: list[nn.Parameter], phases: list[Ph
     """
     if not phases:
         groups = resolve_groups(model, trainable, param_groups)
-        factory = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
-        return [JobPhase("train", objective, factory, groups.options, groups.slot_groups, scheduler)]
+        return [_job_phase("train", objective, groups, optimizer, scheduler)]
     resolved, owner = [], {}
     for index, phase in enumerate(phases):
         if not isinstance(phase, Phase):
@@ -763,9 +762,15 @@ def _job_phases(model: nn.Module, trainable: list[nn.Parameter], phases: list[Ph
                                       f"{owner[slot]!r} and {name!r}; each parameter may be in one phase only")
                 owner[slot] = name
         phase_objective = objective if index == 0 else Objective(step_fn=phase.step_fn)
-        factory = phase.optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
-        resolved.append(JobPhase(name, phase_objective, factory, groups.options, groups.slot_groups, phase.scheduler))
+        resolved.append(_job_phase(name, phase_objective, groups, phase.optimizer, phase.scheduler))
     return resolved
+
+
+def _job_phase(name: str, objective: Objective, groups, optimizer, scheduler) -> JobPhase:
+    """One phase with its optimizer factory: as given, else the class of the optimizer the groups
+    came as, else SGD(lr=0.01)."""
+    factory = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+    return JobPhase(name, objective, factory, groups.options, groups.slot_groups, scheduler)
 
 
 def _accepts(objective: Objective, model: nn.Module, collate_fn) -> Callable[[Any], str | None]:

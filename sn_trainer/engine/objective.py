@@ -122,7 +122,10 @@ class Objective:
             if self.form in (TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS):
                 return token_cross_entropy(outputs, batch["labels"], self.form in SHIFTED, "sum")
             return output_loss(outputs, dtype)
-        outputs, targets = self._forward(model, batch, precision, dtype)
+        return self._pair_loss(*self._forward(model, batch, precision, dtype))
+
+    def _pair_loss(self, outputs: torch.Tensor, targets: Any) -> Any:
+        """``loss_fn(outputs, targets)``, or its (sum, count) where it is a counted cross-entropy."""
         counted = counted_cross_entropy(self.loss_fn, outputs, targets)
         return counted if counted is not None else self.loss_fn(outputs, targets)
 
@@ -145,9 +148,7 @@ class Objective:
         counted_pairs = self.step_fn is None and not (self.model_loss and isinstance(batch, Mapping))
         if counted_pairs:
             outputs, targets = self._forward(model, batch, precision, dtype)
-            counted = counted_cross_entropy(self.loss_fn, outputs, targets)
-            loss_sum, count = self.split(counted if counted is not None else self.loss_fn(outputs, targets), batch,
-                                         samples)
+            loss_sum, count = self.split(self._pair_loss(outputs, targets), batch, samples)
             accuracy = self._accuracy(outputs, targets)
             if accuracy is not None:
                 out["accuracy"] = accuracy

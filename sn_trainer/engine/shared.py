@@ -73,7 +73,6 @@ class ReplicaBuffers:
     """
 
     def __init__(self, model: nn.Module, rank: int):
-        self.rank = rank
         self.links: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []  # module, name, shared, own
         for module in model.modules():
             for name, buf in list(module._buffers.items()):
