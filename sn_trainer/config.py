@@ -98,6 +98,8 @@ class TrainerConfig:
     openmp: str = option("gnu", "the workers' OpenMP runtime: `gnu` (torch's own), `intel` (libiomp5 from the "
                                 "intel-openmp package, preloaded), or `auto` (what tuning measured fastest for this "
                                 "model, else gnu)")
+    prefetch: bool | str = option("auto", "each worker reads the next step's slice in a thread while this step "
+                                          "computes; `auto`: where reading draws no global random numbers")
     log_every: int = option(100, "optimizer steps between progress records")
     eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
     eval_every: int | None = option(None, "evaluate every this many optimizer steps (and after the last) instead of "
@@ -145,6 +147,8 @@ class TrainerConfig:
         _one_of(self.openmp, "openmp", OPENMPS)
         _require(isinstance(self.channels_last, bool) or self.channels_last == "auto",
                  f"channels_last must be true, false or auto, got {self.channels_last!r}")
+        _require(isinstance(self.prefetch, bool) or self.prefetch == "auto",
+                 f"prefetch must be true, false or auto, got {self.prefetch!r}")
         _require(isinstance(self.sync_batchnorm, bool),
                  f"sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
         _positive_int(self.bucket_kb, "bucket_kb", minimum=0)

@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import IterableDataset
 
 from . import loss_probe
-from .data.batching import fetch_batch, in_layout
+from .data.batching import in_layout
+from .data.source import Batching, IndexSource, StreamSource, eval_chunks
+from .engine import random_state
 from .engine.layout import trainable_parameters
 from .engine.objective import MEAN, Objective, Precision
 from .engine.phases import JobPhase
@@ -62,30 +64,37 @@ class Script:
     channels_last: bool
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
     probe_singles: list[Any] = field(default_factory=list)
+    data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
 
 
-def script(model: nn.Module, train_set: Dataset | None, train_samples: int, eval_set: Dataset | None,
-           eval_samples: int, objective: Objective, phases: list[JobPhase], precision: str,
-           channels_last: bool, collate_fn=None, eval_collate_fn=None) -> Script:
-    """Read one training slice of ``train_samples``, one evaluation slice of ``eval_samples``, and
-    the samples the loss's form is measured on (each collated as the workers will).
+def script(model: nn.Module, train: "IndexSource | StreamSource | None", train_samples: int, eval_set: Any,
+           eval_collate_fn, eval_samples: int, objective: Objective, phases: list[JobPhase], precision: str,
+           channels_last: bool) -> Script:
+    """Read one training slice of ``train_samples`` from the ``train`` source, one evaluation slice
+    of ``eval_samples``, and the samples the loss's form is measured on (each collated as the
+    workers will). Whether reading the training slice draws from the global random generators is
+    measured (``Script.data_draws_random``), and the generators are left as they were.
 
     Raises:
         UserCodeError: a dataset failed to give them.
     """
-    train = _attempt("reading a training batch",
-                     lambda: fetch_batch(train_set, torch.arange(train_samples), collate_fn)) \
-        if train_set is not None else None
     evaluation = _attempt("reading an evaluation batch",
-                          lambda: fetch_batch(eval_set, torch.arange(eval_samples), eval_collate_fn)) \
+                          lambda: next(eval_chunks(eval_set, eval_collate_fn, 0, 1, eval_samples, 1))[0]) \
         if eval_set is not None else None
-    data, collate = (train_set, collate_fn) if train_set is not None else (eval_set, eval_collate_fn)
-    picked = torch.linspace(0, len(data) - 1, min(PROBE_SAMPLES, len(data))).round().long().unique()
-    group = _attempt("reading samples", lambda: fetch_batch(data, picked, collate))
-    singles = _attempt("reading samples",
-                       lambda: [fetch_batch(data, picked[i : i + 1], collate) for i in range(len(picked))])
-    return Script(model, train, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
-                  group, singles)
+    draws = False
+    if train is not None:
+        with random_state.kept() as moved:
+            batch = _attempt("reading a training batch", lambda: train.first(train_samples))
+        draws = moved()
+        group, singles = _attempt("reading samples", lambda: train.probe(PROBE_SAMPLES))
+    else:
+        batch = None
+        group, singles = _attempt("reading samples", lambda: IndexSource(eval_set, Batching(1), eval_collate_fn)
+                                  .probe(PROBE_SAMPLES)) if not isinstance(eval_set, IterableDataset) else \
+            _attempt("reading samples", lambda: StreamSource(eval_set, Batching(1), eval_collate_fn)
+                     .probe(PROBE_SAMPLES))
+    return Script(model, batch, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
+                  group, singles, draws)
 
 
 def rehearse(s: Script) -> Rehearsal:

@@ -30,8 +30,9 @@ from . import checkpoint, preflight, tune
 from .callbacks import Callback, Callbacks, History, OnLog
 from .checkpoint import CheckpointDir
 from .config import TrainerConfig
-from .data.batching import check_sample, share_dataset
+from .data.batching import share_dataset
 from .data.sampler import slice_bounds, steps_per_epoch
+from .data.source import Batching, IndexSource, StreamSource, make_source
 from .engine import state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
@@ -295,6 +296,19 @@ class Trainer:
                               "or set drop_last=false")
         return per_epoch, cfg.max_steps if cfg.max_steps is not None else cfg.epochs * per_epoch
 
+    def _steps_of(self, source: IndexSource | StreamSource) -> tuple[int, int]:
+        """``steps`` for a source; a stream without a length is one epoch of max_steps steps.
+
+        Raises:
+            ConfigError: a stream without a length and no max_steps.
+        """
+        if source.size is not None:
+            return self.steps(source.size)
+        if self.config.max_steps is None:
+            raise ConfigError("train_set is a stream without a length (no __len__): set max_steps=..., the number of "
+                              "optimizer steps to train; epochs need a length")
+        return self.config.max_steps, self.config.max_steps
+
     # --- fit -----------------------------------------------------------------------------------
 
     def fit(
@@ -383,10 +397,12 @@ class Trainer:
             objective = Objective(step_fn=phases[0].step_fn, metric_fn=metric_fn)
         else:
             objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(train_set, "train_set", _accepts(objective, model, collate_fn))
+        train = make_source(train_set, "train_set", Batching(cfg.batch_size, cfg.accumulate, cfg.seed, cfg.drop_last),
+                            collate_fn, _accepts(objective, model, collate_fn))
         if eval_set is not None:
-            check_sample(eval_set, "eval_set", _accepts(objective, model, eval_collate_fn))
-        per_epoch, total_steps = self.steps(len(train_set))
+            make_source(eval_set, "eval_set", Batching(cfg.eval_batch_size), eval_collate_fn,
+                        _accepts(objective, model, eval_collate_fn))
+        per_epoch, total_steps = self._steps_of(train)
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "
                               "lower it or train longer")
@@ -409,17 +425,18 @@ class Trainer:
                               (phase.group_options, "the parameter groups' options")):
                 _check_sendable(obj, where + what)
         channels_last = self._channels_last(model)
-        rehearsal = self._rehearse(preflight.script(
-            model, train_set, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
-            min(len(eval_set), cfg.eval_batch_size) if eval_set is not None else 0, objective, job_phases,
-            placement.precision, channels_last, collate_fn, eval_collate_fn))
+        read = preflight.script(model, train, slice_bounds(cfg.batch_size, placement.global_workers, 0)[1], eval_set,
+                                eval_collate_fn, cfg.eval_batch_size, objective, job_phases, placement.precision,
+                                channels_last)
+        prefetch = self._prefetch(read.data_draws_random)
+        rehearsal = self._rehearse(read)
         objective.eval_keys = rehearsal.eval_keys
         splits = placement.global_workers * cfg.accumulate > 1
         for phase, found in zip(job_phases, rehearsal.phases):
             phase.objective.form = _loss_form(found.loss, phase.objective, splits)
             _check_monitor(found.schedule_monitor, objective.eval_keys, eval_set)
         kind = max((shard_kind(found.optimizer_class, cfg.shards) for found in rehearsal.phases), key=SHARD_KINDS.index)
-        self._check_combinations(kind, len(train_set))
+        self._check_combinations(kind, train.size)
         layout = FlatLayout(model, placement.workers, channels_last, kind)
 
         leader = self.cluster is None or self.cluster.is_leader  # only the global leader writes checkpoints
@@ -434,9 +451,9 @@ class Trainer:
                 # in the (shared) checkpoint directory.
                 resume_from = Path(cfg.checkpoint_dir) if CheckpointDir(cfg.checkpoint_dir).latest() else None
         facts = {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "seed": cfg.seed,
-                 "drop_last": cfg.drop_last, "dataset_size": len(train_set)}
+                 "drop_last": cfg.drop_last, "dataset_size": train.size}
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
-                    drop_last=cfg.drop_last, dataset_size=len(train_set), steps_per_epoch=per_epoch,
+                    drop_last=cfg.drop_last, dataset_size=train.size, steps_per_epoch=per_epoch,
                     total_steps=total_steps, clip_grad_norm=cfg.clip_grad_norm, on_nan=cfg.on_nan,
                     channels_last=channels_last, shards=kind, sync_batchnorm=cfg.sync_batchnorm,
                     ema_decay=cfg.ema_decay, loss_form=objective.form, log_every=cfg.log_every,
@@ -446,9 +463,9 @@ class Trainer:
                     measure_after=cfg.measure_after, checkpointing=directory is not None,
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
-                    profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout)
-        return _Run(model=model, train_set=train_set, eval_set=eval_set, collate_fn=collate_fn,
-                    eval_collate_fn=eval_collate_fn, objective=objective, phases=job_phases,
+                    profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout, prefetch=prefetch,
+                    data=train.kind)
+        return _Run(model=model, train=train, eval_set=eval_set, eval_collate_fn=eval_collate_fn, objective=objective, phases=job_phases,
                     layout=layout, rehearsal=rehearsal, first_plan=plan,
                     directory=directory, resume_from=resume_from, facts=facts, run_config=run_config,
                     initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -475,9 +492,9 @@ class Trainer:
                 plan = run.plan(resume["step"] if resume else 0)
                 try:
                     launcher_cpu = -_own_cpu_seconds()
-                    results, peak, ema = self._run(run.model, run.layout, run.train_set, run.eval_set,
+                    results, peak, ema = self._run(run.model, run.layout, run.train, run.eval_set,
                                                    run.objective, run.phases, plan, relay, resume,
-                                                   collate=(run.collate_fn, run.eval_collate_fn))
+                                                   eval_collate_fn=run.eval_collate_fn)
                     return _Outcome(plan, results, peak, launcher_cpu + _own_cpu_seconds(), restarts, ema)
                 except WorkerFailed as failure:
                     if self._stop.signal:  # asked to stop: a restart would resurrect the run
@@ -591,11 +608,13 @@ class Trainer:
         if self.config.ema_decay is not None and saved.get("ema") is None:
             log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed",
                         path)
+        stream = (saved.get("run") or {}).get("stream")
         return {"step": saved["step"], "ema": saved.get("ema"),
                 "ranks": [{"phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups)
                                        if held else {}, "schedule": schedule}
                                       for phase, held, schedule in zip(run.phases, optimizers, schedules)],
-                           "rng": saved["rng"][rank] if same_streams else None} for rank in range(self.workers)]}
+                           "rng": saved["rng"][rank] if same_streams else None, "stream": stream}
+                          for rank in range(self.workers)]}
 
     # --- evaluate ------------------------------------------------------------------------------
 
@@ -606,24 +625,43 @@ class Trainer:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
         cfg, placement = self.config, self.placement
         objective = _objective(loss_fn, step_fn, metric_fn)
-        check_sample(dataset, "dataset", _accepts(objective, model, collate_fn))
+        source = make_source(dataset, "dataset", Batching(cfg.eval_batch_size), collate_fn,
+                             _accepts(objective, model, collate_fn))
         for obj, what in ((model, "the model"), (objective, "the loss, step or metric function"),
                           (dataset, "dataset"), (collate_fn, "collate_fn")):
             _check_sendable(obj, what)
         channels_last = self._channels_last(model)
-        rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, min(len(dataset), cfg.eval_batch_size),
-                                                    objective, [], placement.precision, channels_last,
-                                                    eval_collate_fn=collate_fn))
+        rehearsal = self._rehearse(preflight.script(model, None, 0, dataset, collate_fn, cfg.eval_batch_size,
+                                                    objective, [], placement.precision, channels_last))
         objective.eval_keys = rehearsal.eval_keys
         objective.form = rehearsal.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
         layout = FlatLayout(model, placement.workers, channels_last)
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=1, seed=cfg.seed, drop_last=True,
-                    dataset_size=len(dataset), steps_per_epoch=1, total_steps=0, channels_last=channels_last,
+                    dataset_size=source.size, steps_per_epoch=1, total_steps=0, channels_last=channels_last,
                     eval_batch_size=cfg.eval_batch_size, max_eval_batches=cfg.max_eval_batches, evaluate_only=True,
                     worker_timeout=cfg.worker_timeout)
         results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None,
-                                  collate=(None, collate_fn))
+                                  eval_collate_fn=collate_fn)
         return dict(results[0].eval_metrics)
+
+    def _prefetch(self, draws_random: bool) -> bool:
+        """Whether workers read the next step's slice in a thread while this step computes:
+        ``prefetch=auto`` does where reading draws no global random numbers (a thread drawing
+        them beside the model's dropout would change which numbers each gets).
+
+        Raises:
+            ConfigError: prefetch=true for data that draws from the global generators.
+        """
+        setting = self.config.prefetch
+        if draws_random and setting is True:
+            raise ConfigError("prefetch=true, and reading train_set draws from torch's, numpy's or random's global "
+                              "random generator (augmentation): read ahead in a thread, its draws would interleave "
+                              "with the model's; draw from a generator of the dataset's own, e.g. torch.Generator()"
+                              ".manual_seed(hash((seed, epoch, index))) with set_epoch(epoch), or set prefetch=auto")
+        if draws_random and setting == "auto":
+            log.info("prefetch=auto: off, as reading train_set draws global random numbers (augmentation); a "
+                     "dataset that draws from generators of its own is read ahead")
+        return bool(setting) and not draws_random
 
     def _channels_last(self, model: nn.Module) -> bool:
         """The layout this model runs in: as set, or what ``channels_last=auto`` decides for it."""
@@ -644,14 +682,14 @@ class Trainer:
 
     # --- one launch of the workers -------------------------------------------------------------
 
-    def _run(self, model, layout: FlatLayout, train_set, eval_set, objective: Objective, phases: list[JobPhase],
-             plan: Plan, relay, resume, target=run_worker, collate=(None, None)):
+    def _run(self, model, layout: FlatLayout, train: IndexSource | StreamSource | None, eval_set, objective: Objective,
+             phases: list[JobPhase], plan: Plan, relay, resume, target=run_worker, eval_collate_fn=None):
         placement = plan.placement
         rendezvous_dir = _rendezvous_dir()
         shared = SharedParams(model, layout, ema=plan.ema_decay is not None,
                               ema_values=resume.get("ema") if resume else None)
         try:
-            for dataset in (train_set, eval_set):
+            for dataset in (train.dataset if isinstance(train, IndexSource) else None, eval_set):
                 if dataset is not None:
                     share_dataset(dataset)
             heartbeats = Heartbeats.allocate(placement.workers)
@@ -662,11 +700,11 @@ class Trainer:
                 width = max(2 * max_channels(model) + 1 if plan.sync_batchnorm else 0,
                             2 * len(objective.eval_keys) + 2)
                 shm = ShmBuffers.allocate(placement.workers, layout.padded_numel, shared.flat.dtype, width)
-            job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train_set=train_set, eval_set=eval_set,
+            job = Job(plan=plan, model=model, layout=layout, flat=shared.flat, train=train, eval_set=eval_set,
                       objective=objective, phases=phases,
                       board=Board.allocate(placement.workers, len(layout.slots), buffer_count(model)), stop=self._stop,
-                      heartbeats=heartbeats, shm=shm, ema=shared.ema, collate_fn=collate[0],
-                      eval_collate_fn=collate[1])
+                      heartbeats=heartbeats, shm=shm, ema=shared.ema,
+                      eval_collate_fn=eval_collate_fn)
             specs = [WorkerSpec(rank=r, store_path=f"{rendezvous_dir}/store", job=job,
                                 resume=resume["ranks"][r] if resume else None, cluster=self.cluster)
                      for r in range(placement.workers)]
@@ -687,9 +725,8 @@ class _Run:
     """One fit, resolved: what every launch of its workers (the first, and each restart) runs."""
 
     model: nn.Module
-    train_set: Dataset
+    train: IndexSource | StreamSource
     eval_set: Dataset | None
-    collate_fn: Callable[[list], Any] | None
     eval_collate_fn: Callable[[list], Any] | None
     objective: Objective  # evaluation's
     phases: list[JobPhase]  # training's: one optimizer each
@@ -774,7 +811,7 @@ def _job_phase(name: str, objective: Objective, groups, optimizer, scheduler) ->
 
 
 def _accepts(objective: Objective, model: nn.Module, collate_fn) -> Callable[[Any], str | None]:
-    """What check_sample asks of a dataset's items: the objective's check, or, with a collate
+    """What make_source asks of a dataset's items: the objective's check, or, with a collate
     function, nothing (its batches are what the objective gets; the preflight runs them)."""
     return (lambda item: None) if collate_fn is not None else (lambda item: objective.accepts(item, model))
 
@@ -869,7 +906,8 @@ class _CheckpointWriter(Callback):
                                    if p["phases"][index]["schedule"] is not None), None))
         optimizer, schedule = checkpoint.phase_entries(optimizers, schedules)
         saved = checkpoint.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered],
-                                 {**self.facts, "workers": self.layout.world_size}, self.config, schedule=schedule,
+                                 {**self.facts, "workers": self.layout.world_size, "stream": ordered[0].get("stream")},
+                                 self.config, schedule=schedule,
                                  ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"))
         try:
             self.last_saved = self.directory.save(saved)

@@ -6,6 +6,7 @@ import torch
 
 from helpers import SmallConvNet, probe_replica, tiny_dataset
 from sn_trainer import Trainer
+from sn_trainer.data.source import Batching, IndexSource
 from sn_trainer.engine.layout import FlatLayout
 from sn_trainer.engine.objective import Objective
 from sn_trainer.engine.plan import Plan
@@ -25,7 +26,7 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
                 steps_per_epoch=10, total_steps=1)
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     phases = [JobPhase("train", Objective(), sgd, None, (0,) * len(layout.slots))]
-    reports, _, _ = trainer._run(model, layout, tiny_dataset(), None, Objective(), phases, plan, None, None,
+    reports, _, _ = trainer._run(model, layout, IndexSource(tiny_dataset(), Batching(8)), None, Objective(), phases, plan, None, None,
                                  target=probe_replica)
     assert all(r["storages"] and r["all_shared"] for r in reports)
     assert [r["seen"] for r in reports] == [42.0, 42.0]

@@ -5,10 +5,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..errors import ConfigError
 
 
 def fetch_batch(dataset: Dataset, indices: torch.Tensor, collate_fn: Callable[[list], Any] | None = None) -> Any:
@@ -45,32 +44,6 @@ def in_layout(batch: Any, channels_last: bool) -> Any:
         return batch
     return map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last)
                        if t.dim() == 4 and t.is_floating_point() else t)
-
-
-def check_sample(dataset: Dataset, name: str, accepts: Callable[[Any], str | None]) -> None:
-    """Refuse, up front, a dataset that is empty, unsized, not map-style, or whose items the loss
-    cannot take.
-
-    Args:
-        accepts: ``accepts(item)`` says why ``item`` cannot be a sample (None: it can).
-    """
-    if isinstance(dataset, DataLoader):
-        raise ConfigError(f"{name} is a DataLoader; pass its dataset and collate function, fit({name}=loader.dataset, "
-                          "collate_fn=loader.collate_fn), and the batch size as Trainer(batch_size=...): sn_trainer "
-                          "draws and splits every global batch itself")
-    if isinstance(dataset, IterableDataset):
-        raise ConfigError(f"{name} is an IterableDataset ({type(dataset).__name__}); sn_trainer reads samples by "
-                          "index: pass a map-style dataset (__len__ and __getitem__), e.g. "
-                          "TensorDataset or a list of samples read from the stream")
-    try:
-        size = len(dataset)
-    except TypeError:
-        raise ConfigError(f"{name} must be a map-style dataset with __len__ and __getitem__") from None
-    if size == 0:
-        raise ConfigError(f"{name} is empty")
-    why = accepts(dataset[0])
-    if why is not None:
-        raise ConfigError(f"{name}[0] {why}")
 
 
 def share_dataset(dataset: Dataset) -> None:

@@ -43,7 +43,7 @@ class Plan:
     accumulate: int
     seed: int
     drop_last: bool
-    dataset_size: int
+    dataset_size: int | None  # samples per epoch (None: a stream without a length, one epoch of total_steps)
     steps_per_epoch: int
     total_steps: int
     start_step: int = 0  # > 0 when resuming
@@ -68,6 +68,8 @@ class Plan:
     profile_dir: str | None = None
     profile_steps: int = 3
     worker_timeout: float = 300.0
+    prefetch: bool = False  # read the next step's slice in a thread while this step computes
+    data: str = "map-style"  # or "stream": how the training set is read
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -78,7 +80,7 @@ class Plan:
     def samples(self, first: int, last: int) -> int:
         """Samples trained by steps [first, last): an epoch's last step may be short (drop_last=false)."""
         total = (last - first) * self.step_batch
-        if not self.drop_last:
+        if not self.drop_last and self.dataset_size is not None:
             short = self.steps_per_epoch * self.step_batch - self.dataset_size
             total -= short * (last // self.steps_per_epoch - first // self.steps_per_epoch)
         return total
@@ -124,6 +126,7 @@ class Plan:
                 "ema_decay": self.ema_decay, "loss_form": self.loss_form,
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phases],
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
-                "drop_last": self.drop_last, "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "drop_last": self.drop_last, "data": self.data, "prefetch": self.prefetch,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                 "start_step": self.start_step, "notes": [*p.notes, *self.notes]}
 

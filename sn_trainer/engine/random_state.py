@@ -8,6 +8,7 @@ tensors and plain data.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -38,3 +39,21 @@ def restore(state: dict[str, Any] | torch.Tensor) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     version, internal, gauss_next = state["random"]
     random.setstate((version, tuple(internal), gauss_next))
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (torch.equal(a["torch"], b["torch"]) and a["numpy"][2:] == b["numpy"][2:]
+            and torch.equal(a["numpy"][1], b["numpy"][1]) and a["random"] == b["random"])
+
+
+@contextmanager
+def kept():
+    """Run a block and put the three streams back as they were; yields a function that says
+    whether the block drew from any of them."""
+    before = capture()
+    after: list[dict[str, Any]] = []
+    try:
+        yield lambda: not _same(before, after[0])
+    finally:
+        after.append(capture())
+        restore(before)

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..data.batching import fetch_batch, in_layout
-from ..data.sampler import GlobalBatches, slice_bounds
+from ..data.batching import in_layout
+from ..data.feed import Feed
+from ..data.source import IndexSource, StreamSource, eval_chunks
 from . import random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals
@@ -43,7 +44,7 @@ class Job:
     model: nn.Module
     layout: FlatLayout
     flat: torch.Tensor
-    train_set: Dataset | None
+    train: IndexSource | StreamSource | None  # the training set, as the worker reads it
     eval_set: Dataset | None
     objective: Objective  # what evaluation computes (the first phase's loss, and the metrics)
     phases: list[JobPhase]  # one optimizer each, updated in turn every step
@@ -52,7 +53,6 @@ class Job:
     heartbeats: Heartbeats
     shm: ShmBuffers | None = None
     ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
-    collate_fn: Callable[[list], Any] | None = None  # items of a training slice -> its batch (None: stacked)
     eval_collate_fn: Callable[[list], Any] | None = None
 
 
@@ -100,7 +100,6 @@ class Replica:
         self.job, self.plan, self.rank = job, plan, spec.rank
         self.global_rank = placement.node_rank * placement.workers + spec.rank
         self.global_workers = placement.global_workers
-        self.step = plan.start_step
         self.model, self.layout, self.objective = job.model, job.layout, job.objective
         self.precision, self.dtype = Precision(placement.precision), job.flat.dtype
         self.layout.bind(self.model, job.flat)
@@ -131,9 +130,11 @@ class Replica:
         self.lr_used: float | None = None  # by the last step's update
         if spec.resume is not None and spec.resume.get("rng") is not None:
             random_state.restore(spec.resume["rng"])  # same workers: same random streams
-        self.batches = None
-        if job.train_set is not None:
-            self.batches = GlobalBatches(plan.dataset_size, plan.batch_size, plan.accumulate, plan.seed, plan.drop_last)
+        self.feed = None
+        if job.train is not None:
+            job.train.resume_at(spec.resume.get("stream") if spec.resume else None, plan.start_step)
+            self.feed = Feed(job.train, self.global_rank, self.global_workers, plan.accumulate, plan.channels_last,
+                             plan.total_steps, plan.prefetch)
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over every worker of every node, in place."""
@@ -152,11 +153,8 @@ class Replica:
         (forward, backward, sum, update of its shards; a barrier before the next phase reads the
         weights). A phase's update is left out if anything in it is non-finite. Its totals, per phase."""
         plan = self.plan
-        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        micro_batches = []
         with timer("data"):
-            for micro in range(plan.accumulate):
-                micro_batches.append(self.micro_batch(epoch, in_epoch, micro))
+            micro_batches = self.feed.step(step)
         phase_totals = []
         for index, phase in enumerate(self.phases):
             if index:
@@ -208,15 +206,6 @@ class Replica:
             with timer("update"):
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
         return totals
-
-    def micro_batch(self, epoch: int, in_epoch: int, micro: int) -> tuple[Any, int]:
-        """This worker's slice of a micro-batch, laid out for the model, and its size."""
-        indices = self.batches.indices(epoch, in_epoch, micro)
-        start, stop = slice_bounds(len(indices), self.global_workers, self.global_rank)
-        if start == stop:
-            return None, 0
-        batch = fetch_batch(self.job.train_set, indices[start:stop], self.job.collate_fn)
-        return in_layout(batch, self.plan.channels_last), stop - start
 
     def step_totals(self, round_: int, objective: Objective) -> StepTotals:
         totals = self.job.board.totals(round_)
@@ -281,20 +270,19 @@ class Replica:
         if self.rank != 0:
             self.buffers.adopt()
         keys = self.objective.eval_keys
-        start, stop = slice_bounds(self.plan.evaluated_samples(len(dataset)), self.global_workers, self.global_rank)
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
         error = None
         try:
-            for lo in range(start, stop, self.plan.eval_batch_size):
+            for batch, samples in eval_chunks(dataset, self.job.eval_collate_fn, self.global_rank, self.global_workers,
+                                              self.plan.eval_batch_size, self.plan.max_eval_batches):
                 beat("eval")
-                indices = torch.arange(lo, min(lo + self.plan.eval_batch_size, stop))
-                batch = in_layout(fetch_batch(dataset, indices, self.job.eval_collate_fn), self.plan.channels_last)
-                found = self.objective.eval_terms(self.model, batch, len(indices), self.precision, self.dtype)
+                batch = in_layout(batch, self.plan.channels_last)
+                found = self.objective.eval_terms(self.model, batch, samples, self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
                     sums[2 * k] += value_sum
                     sums[2 * k + 1] += value_count
-                sums[-2] += len(indices)
+                sums[-2] += samples
         except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet below
             error = traceback.format_exc()
             sums[-1] += 1
@@ -310,18 +298,22 @@ class Replica:
                 result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item()
         return result
 
-    def state_part(self) -> bytes:
+    def state_part(self, step_done: int) -> bytes:
         """What this worker contributes to a checkpoint: its optimizer's state, its random state
-        (and, from worker 0, the model's), as tensors and plain data."""
+        (and, from worker 0, the model's and where the stream goes on after step ``step_done``), as
+        tensors and plain data."""
         part = {"rank": self.rank, "phases": [phase.state() for phase in self.phases], "rng": random_state.capture()}
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
             part["ema"] = self.layout.by_name(self.job.ema) if self.job.ema is not None else None
             part["aliases"] = tied_aliases(self.model)
+            part["stream"] = self.job.train.position(step_done) if self.job.train is not None else None
         return pack(part)
 
     def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
         self.reducer.close()
 
 
@@ -456,7 +448,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
         replica.scheduled_points(done, evaluated)
         if plan.checkpointing and (stopping or plan.checkpoint_due(done) or job.stop.saves_at(done)):
             beat("checkpoint")
-            send(CheckpointPart(done, replica.state_part()))
+            send(CheckpointPart(done, replica.state_part(done)))
         if stopping:
             stopped_at = done
             break

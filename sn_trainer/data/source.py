@@ -1,0 +1,310 @@
+"""Where a run's batches come from. A worker asks for its slice of micro-batch m of step k, and
+evaluation for its chunks; nothing else knows how they are produced.
+
+Two sources:
+
+- ``IndexSource``: a map-style dataset (``__len__``, ``__getitem__``), read by index in an order
+  drawn from (seed, epoch), as a DataLoader with a seeded RandomSampler reads it.
+- ``StreamSource``: an ``IterableDataset``, read in order. Micro-batch j is items [jB, (j+1)B) of
+  the stream, as a DataLoader with ``batch_size=B`` batches it. A stream with a length is read
+  afresh each epoch; one without is one sequence (when a pass ends, the next begins, and a batch
+  may run across the seam). Every worker reads the whole stream and keeps its slice: items not
+  its own are drawn and dropped before ``collate_fn``, so a stream of cheap references (file
+  names, offsets) with a collate_fn that loads them loads each sample once.
+
+Datasets with ``set_epoch(epoch)`` (Hugging Face datasets, sn_trainer's folder of images) are told
+each epoch before it is read, as a DistributedSampler is.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+from ..errors import ConfigError, DataError
+from .batching import fetch_batch
+from .sampler import GlobalBatches, slice_bounds, steps_per_epoch
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How global batches are cut: ``accumulate`` micro-batches of ``batch_size`` per step."""
+
+    batch_size: int
+    accumulate: int = 1
+    seed: int = 0
+    drop_last: bool = True
+
+    @property
+    def step_batch(self) -> int:
+        return self.batch_size * self.accumulate
+
+
+def _collate(items: list, collate_fn) -> Any:
+    return collate_fn(items) if collate_fn is not None else default_collate(items)
+
+
+class _EpochTeller:
+    """Calls the dataset's ``set_epoch`` when the epoch read changes (only where it has one)."""
+
+    def __init__(self, dataset):
+        self._set = getattr(dataset, "set_epoch", None)
+        self._epoch = None
+
+    def __call__(self, epoch: int) -> None:
+        if self._set is not None and epoch != self._epoch:
+            self._set(epoch)
+        self._epoch = epoch
+
+
+class IndexSource:
+    """A map-style dataset: step k's samples are positions [kB, (k+1)B) of the epoch's order."""
+
+    kind = "map-style"
+
+    def __init__(self, dataset: Dataset, batching: Batching, collate_fn: Callable[[list], Any] | None = None):
+        self.dataset, self.batching, self.collate_fn = dataset, batching, collate_fn
+        self.size = len(dataset)
+        self.steps_per_epoch = steps_per_epoch(self.size, batching.batch_size, batching.accumulate,
+                                               batching.drop_last)
+        self._batches = None
+        self._tell = _EpochTeller(dataset)
+
+    def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
+        """Worker ``rank`` of ``world``'s slice of micro-batch ``micro`` of step ``step`` and its size
+        (0 and None where the short last batch of an epoch leaves it nothing)."""
+        if self._batches is None:
+            b = self.batching
+            self._batches = GlobalBatches(self.size, b.batch_size, b.accumulate, b.seed, b.drop_last)
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        indices = self._batches.indices(epoch, in_epoch, micro)
+        start, stop = slice_bounds(len(indices), world, rank)
+        if start == stop:
+            return None, 0
+        self._tell(epoch)
+        return fetch_batch(self.dataset, indices[start:stop], self.collate_fn), stop - start
+
+    def first(self, samples: int) -> Any:
+        """The first ``samples`` items, collated (what the rehearsal trains on)."""
+        return fetch_batch(self.dataset, torch.arange(min(samples, self.size)), self.collate_fn)
+
+    def probe(self, count: int) -> tuple[Any, list[Any]]:
+        """``count`` samples spread over the dataset, collated together, and each alone (what the
+        loss probe compares)."""
+        picked = torch.linspace(0, self.size - 1, min(count, self.size)).round().long().unique()
+        return (fetch_batch(self.dataset, picked, self.collate_fn),
+                [fetch_batch(self.dataset, picked[i : i + 1], self.collate_fn) for i in range(len(picked))])
+
+    def first_item(self) -> Any:
+        return self.dataset[0]
+
+    def position(self, step: int) -> dict[str, int] | None:
+        return None  # the order follows from (seed, epoch): the step says where a resume goes on
+
+    def resume_at(self, position: dict[str, int] | None, step: int) -> None:
+        pass
+
+
+class _Reader:
+    """One pass after another over a stream, counting items; set_epoch(pass) before each pass."""
+
+    def __init__(self, stream: IterableDataset):
+        self.stream = stream
+        self._tell = _EpochTeller(stream)
+        self.pass_, self.offset, self._items = -1, 0, iter(())
+
+    def open(self, pass_: int) -> None:
+        self._tell(pass_)
+        self.pass_, self.offset, self._items = pass_, 0, iter(self.stream)
+
+    def take(self, count: int) -> list:
+        """Up to ``count`` items of this pass (fewer where it ends)."""
+        items = list(itertools.islice(self._items, count))
+        self.offset += len(items)
+        return items
+
+    def skip_to(self, offset: int) -> None:
+        """Read on (and drop) up to item ``offset`` of this pass (at or after where it is)."""
+        self.take(offset - self.offset)
+        if self.offset < offset:
+            raise DataError(f"the stream's pass {self.pass_} ended after {self.offset} items, before item {offset} "
+                            "where this run goes on: is it the same stream, in the same order?")
+
+
+class StreamSource:
+    """An IterableDataset read in order: micro-batch j of an epoch is its items [jB, (j+1)B)."""
+
+    kind = "stream"
+
+    def __init__(self, stream: IterableDataset, batching: Batching, collate_fn: Callable[[list], Any] | None = None):
+        self.stream, self.batching, self.collate_fn = stream, batching, collate_fn
+        try:
+            self.size = len(stream)
+        except TypeError:
+            self.size = None
+        self.steps_per_epoch = steps_per_epoch(self.size, batching.batch_size, batching.accumulate,
+                                               batching.drop_last) if self.size is not None else None
+        self._reader: _Reader | None = None
+        self._start = 0  # the reader's pass's first item's place in the whole sequence
+        self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_reader": None}  # an open iterator stays in the process that opened it
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
+        b = self.batching
+        if self.size is not None:
+            items = self._read_in_pass(*divmod(step, self.steps_per_epoch), micro)
+        else:
+            items = self._read_across_passes((step * b.accumulate + micro) * b.batch_size)
+        start, stop = slice_bounds(len(items), world, rank)
+        if start == stop:
+            return None, 0
+        return _collate(items[start:stop], self.collate_fn), stop - start
+
+    def _read_in_pass(self, epoch: int, in_epoch: int, micro: int) -> list:
+        """A stream with a length: epoch e is pass e, and micro-batches never cross passes."""
+        b = self.batching
+        first = (in_epoch * b.accumulate + micro) * b.batch_size
+        expected = max(0, min(b.batch_size, self.size - first))
+        reader = self._reader_at(epoch, first)
+        items = reader.take(expected)
+        if len(items) < expected:
+            raise DataError(f"the stream has len() {self.size} but its pass {epoch} ended after {reader.offset} "
+                            "items; its __len__ must count the items it yields")
+        return items
+
+    def _read_across_passes(self, first: int) -> list:
+        """A stream without a length: one sequence of passes; a batch may run across two."""
+        size = self.batching.batch_size
+        reader = self._reader
+        if reader is None or self._start + reader.offset > first:
+            pass_ = max((p for p, start in self._starts.items() if start <= first), key=self._starts.get)
+            reader = self._reader = _Reader(self.stream)
+            reader.open(pass_)
+            self._start = self._starts[pass_]
+        items: list = []
+        while len(items) < size:
+            at = self._start + reader.offset
+            wanted = first - at if at < first else size - len(items)
+            got = reader.take(wanted)
+            if at >= first:
+                items += got
+            if len(got) < wanted:  # this pass ended: the next one goes on
+                if reader.offset == 0:
+                    raise DataError(f"the stream yielded no items in pass {reader.pass_}: a stream without a length "
+                                    "is read again when it ends, and an empty pass would never fill a batch")
+                self._start += reader.offset
+                self._starts[reader.pass_ + 1] = self._start
+                reader.open(reader.pass_ + 1)
+        return items
+
+    def _reader_at(self, pass_: int, offset: int) -> _Reader:
+        reader = self._reader
+        if reader is None or reader.pass_ != pass_ or reader.offset > offset:
+            reader = self._reader = _Reader(self.stream)
+            reader.open(pass_)
+        reader.skip_to(offset)
+        return reader
+
+    # --- before the run, and its checkpoints --------------------------------------------------
+
+    def _head(self, count: int) -> list:
+        return list(itertools.islice(iter(self.stream), count))
+
+    def first(self, samples: int) -> Any:
+        return _collate(self._head(samples), self.collate_fn)
+
+    def probe(self, count: int) -> tuple[Any, list[Any]]:
+        items = self._head(count)  # a stream is read in order: its first items
+        return _collate(items, self.collate_fn), [_collate([item], self.collate_fn) for item in items]
+
+    def first_item(self) -> Any:
+        head = self._head(1)
+        if not head:
+            raise ConfigError("the stream yielded no items")
+        return head[0]
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where step ``step`` begins: the pass and the items of it before."""
+        b = self.batching
+        if self.size is not None:
+            epoch, in_epoch = divmod(step, self.steps_per_epoch)
+            return {"pass": epoch, "offset": in_epoch * b.step_batch}
+        first = step * b.step_batch
+        pass_ = max((p for p, start in self._starts.items() if start <= first), key=self._starts.get)
+        return {"pass": pass_, "offset": first - self._starts[pass_]}
+
+    def resume_at(self, position: dict[str, int] | None, step: int) -> None:
+        """Go on at step ``step`` from ``position`` (a checkpoint's): the passes before it are not
+        read again."""
+        if self.size is None and position is not None:
+            self._starts = {position["pass"]: step * self.batching.step_batch - position["offset"]}
+            self._reader = None
+
+
+def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callable[[list], Any] | None,
+                accepts: Callable[[Any], str | None]) -> IndexSource | StreamSource:
+    """The source ``dataset`` is read through, once its first item is one the run can take.
+
+    Args:
+        accepts: ``accepts(item)`` says why ``item`` cannot be a sample (None: it can).
+
+    Raises:
+        ConfigError: a DataLoader, an empty or unsized map-style dataset, or an item the loss
+            cannot take.
+    """
+    if isinstance(dataset, DataLoader):
+        raise ConfigError(f"{name} is a DataLoader; pass its dataset and collate function, fit({name}=loader.dataset, "
+                          "collate_fn=loader.collate_fn), and the batch size as Trainer(batch_size=...): sn_trainer "
+                          "draws and splits every global batch itself")
+    if isinstance(dataset, IterableDataset):
+        source = StreamSource(dataset, batching, collate_fn)
+        if source.size == 0:
+            raise ConfigError(f"{name} is an empty stream (len() 0)")
+    else:
+        try:
+            size = len(dataset)
+        except TypeError:
+            raise ConfigError(f"{name} must be a map-style dataset (__len__ and __getitem__) or an IterableDataset, "
+                              f"got {type(dataset).__name__}") from None
+        if size == 0:
+            raise ConfigError(f"{name} is empty")
+        source = IndexSource(dataset, batching, collate_fn)
+    why = accepts(source.first_item())
+    if why is not None:
+        raise ConfigError(f"{name}[0] {why}")
+    return source
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+def eval_chunks(dataset: Any, collate_fn, rank: int, world: int, chunk: int,
+                max_chunks: int | None) -> Iterator[tuple[Any, int]]:
+    """Worker ``rank``'s share of an evaluation, in batches of at most ``chunk`` samples, with
+    their sizes; at most ``max_chunks`` x ``chunk`` samples in all, the first ones.
+
+    A map-style set is cut into ``world`` contiguous slices; a stream into chunks of ``chunk``
+    items in order, chunk c going to worker c mod ``world``.
+    """
+    if isinstance(dataset, IterableDataset):
+        items = iter(dataset)
+        for c in itertools.count() if max_chunks is None else range(max_chunks):
+            batch = list(itertools.islice(items, chunk))
+            if not batch:
+                return
+            if c % world == rank:
+                yield _collate(batch, collate_fn), len(batch)
+        return
+    total = len(dataset) if max_chunks is None else min(len(dataset), max_chunks * chunk)
+    start, stop = slice_bounds(total, world, rank)
+    for lo in range(start, stop, chunk):
+        indices = torch.arange(lo, min(lo + chunk, stop))
+        yield fetch_batch(dataset, indices, collate_fn), len(indices)
