@@ -174,6 +174,8 @@ class StreamSource:
         b = self.batching
         first = (in_epoch * b.accumulate + micro) * b.batch_size
         expected = max(0, min(b.batch_size, self.size - first))
+        if expected == 0:
+            return []  # past the end of an epoch's short last step: nothing to read
         reader = self._reader_at(epoch, first)
         items = reader.take(expected)
         if len(items) < expected:
