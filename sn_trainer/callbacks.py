@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,41 @@ class OnLog(Callback):
 
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
         self.function(evaluation.record())
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (a notebook's cells run in it)."""
+    if "IPython" not in sys.modules:
+        return False
+    shell = sys.modules["IPython"].get_ipython()
+    return shell is not None and "IPKernelApp" in shell.config
+
+
+class NotebookBar(Callback):
+    """In a notebook, fit's progress: tqdm's notebook bar over the steps, with the loss, samples/s
+    and the last evaluation (fit adds it when it runs in a Jupyter kernel)."""
+
+    def __init__(self):
+        self._bar, self._step, self._shown = None, 0, {}
+
+    def on_fit_start(self, trainer, plan) -> None:
+        from tqdm.auto import tqdm  # the notebook bar in a kernel with ipywidgets, else text
+
+        self._bar = tqdm(total=plan.total_steps, unit="step", desc="sn_trainer")
+
+    def on_step_end(self, trainer, record: Progress) -> None:
+        self._bar.update(record.step - self._step)
+        self._step = record.step
+        self._shown.update(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_sec:.0f}")
+        self._bar.set_postfix(self._shown)
+
+    def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
+        self._shown.update({k[5:]: f"{v:.4f}" for k, v in evaluation.metrics.items()
+                            if k in ("eval_loss", "eval_accuracy")})
+        self._bar.set_postfix(self._shown)
+
+    def on_fit_end(self, trainer, result) -> None:
+        self._bar.close()
 
 
 def _better(mode: str, min_delta: float) -> Callable[[float, float | None], bool]:

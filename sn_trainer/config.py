@@ -211,6 +211,8 @@ class DatasetConfig:
     train_size: int = option(8192, "synthetic: training samples")
     test_size: int = option(1024, "synthetic: test samples")
     image_size: int = option(32, "folder: images are resized to image_size x image_size")
+    preload: bool = option(False, "folder: decode every image into memory up front (`false`: each worker reads, "
+                                  "decodes and augments its samples from the files as it trains)")
     test_fraction: float = option(0.1, "folder without train/ and test/, and text: the share held out for testing "
                                        "(text: its tail)")
     seed: int = option(0, "synthetic data and the folder split")

@@ -78,21 +78,19 @@ def script(model: nn.Module, train: "IndexSource | StreamSource | None", train_s
     Raises:
         UserCodeError: a dataset failed to give them.
     """
-    evaluation = _attempt("reading an evaluation batch",
-                          lambda: next(eval_chunks(eval_set, eval_collate_fn, 0, 1, eval_samples, 1))[0]) \
-        if eval_set is not None else None
-    draws = False
-    if train is not None:
-        with random_state.kept() as moved:
-            batch = _attempt("reading a training batch", lambda: train.first(train_samples))
-        draws = moved()
-        group, singles = _attempt("reading samples", lambda: train.probe(PROBE_SAMPLES))
-    else:
-        batch = None
-        group, singles = _attempt("reading samples", lambda: IndexSource(eval_set, Batching(1), eval_collate_fn)
-                                  .probe(PROBE_SAMPLES)) if not isinstance(eval_set, IterableDataset) else \
-            _attempt("reading samples", lambda: StreamSource(eval_set, Batching(1), eval_collate_fn)
-                     .probe(PROBE_SAMPLES))
+    with random_state.kept():  # the caller's random streams stay as they were
+        evaluation = _attempt("reading an evaluation batch",
+                              lambda: next(eval_chunks(eval_set, eval_collate_fn, 0, 1, eval_samples, 1))[0]) \
+            if eval_set is not None else None
+        draws, batch = False, None
+        if train is not None:
+            with random_state.kept() as moved:
+                batch = _attempt("reading a training batch", lambda: train.first(train_samples))
+            draws = moved()
+        probed = train if train is not None else \
+            (StreamSource if isinstance(eval_set, IterableDataset) else IndexSource)(eval_set, Batching(1),
+                                                                                      eval_collate_fn)
+        group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
     return Script(model, batch, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
                   group, singles, draws)
 

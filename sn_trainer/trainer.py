@@ -27,13 +27,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import checkpoint, preflight, tune
-from .callbacks import Callback, Callbacks, History, OnLog
+from .callbacks import Callback, Callbacks, History, NotebookBar, OnLog, in_notebook
 from .checkpoint import CheckpointDir
 from .config import TrainerConfig
 from .data.batching import share_dataset
 from .data.sampler import slice_bounds, steps_per_epoch
 from .data.source import Batching, IndexSource, StreamSource, make_source
-from .engine import state
+from .engine import random_state, state
 from .engine.batchnorm import max_channels
 from .engine.board import Board
 from .engine.cluster import Cluster
@@ -368,7 +368,8 @@ class Trainer:
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
         history = History()
-        hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []), *(callbacks or [])])
+        hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []),
+                           *([NotebookBar()] if in_notebook() else []), *(callbacks or [])])
         run = self._resolve(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
                             param_groups, run_config, phases, collate_fn,
                             eval_collate_fn if eval_collate_fn is not None else collate_fn)
@@ -397,11 +398,13 @@ class Trainer:
             objective = Objective(step_fn=phases[0].step_fn, metric_fn=metric_fn)
         else:
             objective = _objective(loss_fn, step_fn, metric_fn)
-        train = make_source(train_set, "train_set", Batching(cfg.batch_size, cfg.accumulate, cfg.seed, cfg.drop_last),
-                            collate_fn, _accepts(objective, model, collate_fn))
-        if eval_set is not None:
-            make_source(eval_set, "eval_set", Batching(cfg.eval_batch_size), eval_collate_fn,
-                        _accepts(objective, model, eval_collate_fn))
+        with random_state.kept():  # reading first items leaves the caller's random streams as they were
+            train = make_source(train_set, "train_set", Batching(cfg.batch_size, cfg.accumulate, cfg.seed,
+                                                                 cfg.drop_last), collate_fn,
+                                _accepts(objective, model, collate_fn))
+            if eval_set is not None:
+                make_source(eval_set, "eval_set", Batching(cfg.eval_batch_size), eval_collate_fn,
+                            _accepts(objective, model, eval_collate_fn))
         per_epoch, total_steps = self._steps_of(train)
         if cfg.measure_after >= total_steps:
             raise ConfigError(f"measure_after={cfg.measure_after} leaves none of the {total_steps} steps to measure; "

@@ -123,11 +123,21 @@ def test_folder_of_pngs(tmp_path):
             folder.mkdir(parents=True)
             for i in range(count):
                 Image.new("RGB", (20, 12), colour).save(folder / f"{i}.png")
-    data = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16))
+    data = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16, preload=True))
     assert (len(data.train), len(data.test), data.sample_shape, data.num_classes) == (6, 4, (3, 16, 16), 2)
     assert data.train.images[0, 0].float().mean() == 255  # a red cat
-    flat = load_datasets(DatasetConfig(name="folder", root=str(tmp_path / "train"), image_size=8, test_fraction=0.3))
+    flat = load_datasets(DatasetConfig(name="folder", root=str(tmp_path / "train"), image_size=8, test_fraction=0.3,
+                                       preload=True))
     assert (len(flat.train), len(flat.test)) == (5, 1)
+    # Read per sample where they lie (the default): the same items, decoded when asked for.
+    files = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16))
+    assert "read per sample" in files.source and not hasattr(files.train, "images")
+    assert (len(files.train), len(files.test), files.sample_shape, files.num_classes) == (6, 4, (3, 16, 16), 2)
+    for split in ("train", "test"):
+        for i in range(len(getattr(data, split))):
+            mine, theirs = getattr(files, split)[i], getattr(data, split)[i]
+            torch.testing.assert_close(mine[0], theirs[0], rtol=1e-6, atol=1e-5)
+            assert mine[1] == theirs[1]
 
 
 def test_synthetic_shape_and_size():

@@ -71,6 +71,13 @@ def test_a_notebook_trains_its_own_classes_and_functions_exactly(tmp_path):
     printed = "".join(out.get("text", "") for out in notebook.cells[-1].outputs)
     workers, worst = printed.split("workers ")[1].split(", largest relative difference ")
     assert int(workers) == 2 and float(worst) < 1e-10, printed
+    # The progress: tqdm's notebook bar (a widget) over the 4 steps, finished, with the loss on it.
+    assert any("application/vnd.jupyter.widget-view+json" in out.get("data", {}) for out in notebook.cells[-1].outputs)
+    state = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].values()
+    bars = [m["state"] for m in state if m["model_name"] == "FloatProgressModel"]
+    assert [(b["value"], b["max"], b["bar_style"]) for b in bars] == [(4.0, 4.0, "success")]
+    assert any("4/4" in m["state"]["value"] and "loss=" in m["state"]["value"] for m in state
+               if m["model_name"] == "HTMLModel")
 
 
 def test_a_script_read_from_standard_input_trains():

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from ..config import DatasetConfig
 from ..errors import ConfigError, DataError
+from .folder import ImageFiles, scan, statistics
 from .text import TextSplits, load_text
 
 DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
@@ -81,8 +82,8 @@ def random_crop_flip(images: torch.Tensor, padding: int) -> torch.Tensor:
 
 @dataclass
 class Splits:
-    train: ImageTensorDataset
-    test: ImageTensorDataset
+    train: ImageTensorDataset | ImageFiles
+    test: ImageTensorDataset | ImageFiles
     sample_shape: tuple[int, int, int]
     num_classes: int
     source: str  # where the data came from, for the log and summary.json
@@ -101,6 +102,8 @@ def load_datasets(cfg: DatasetConfig) -> Splits | TextSplits:
         return load_text(cfg.path, cfg.tokenizer, cfg.block_size, cfg.test_fraction)
     if cfg.name not in loaders:
         raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(loaders)}, text")
+    if cfg.name == "folder" and not cfg.preload:
+        return _folder_files(cfg)
     (train_x, train_y), (test_x, test_y), num_classes, source = loaders[cfg.name](cfg)
     # Statistics of the training images, per channel: exact for any dataset, no table to keep.
     scaled = train_x.float().div_(255)
@@ -267,14 +270,38 @@ def _load_synthetic(cfg: DatasetConfig):
     return make(cfg.train_size), make(cfg.test_size), classes, f"synthetic {list(shape)}, {classes} classes"
 
 
+def _folder_root(cfg: DatasetConfig) -> Path:
+    if not cfg.root or not Path(cfg.root).expanduser().is_dir():
+        raise ConfigError(f"dataset=folder needs dataset.root=<dir of class folders>, got {cfg.root!r}")
+    return Path(cfg.root).expanduser()
+
+
+def _folder_files(cfg: DatasetConfig) -> Splits:
+    """Images in class sub-folders, read per sample where they lie (dataset.preload=false)."""
+    root, size = _folder_root(cfg), cfg.image_size
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        train_files, train_labels, classes = scan(root / "train")
+        test_files, test_labels, _ = scan(root / "test", classes)
+    else:
+        files, labels, classes = scan(root)
+        order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        n_test = max(1, int(len(files) * cfg.test_fraction))
+        test_files, test_labels = [files[i] for i in order[:n_test]], [labels[i] for i in order[:n_test]]
+        train_files, train_labels = [files[i] for i in order[n_test:]], [labels[i] for i in order[n_test:]]
+    mean, std = statistics(train_files, size)
+    train = ImageFiles(train_files, train_labels, size, mean, std, len(classes), augment=bool(cfg.augment),
+                       seed=cfg.seed)
+    test = ImageFiles(test_files, test_labels, size, mean, std, len(classes))
+    return Splits(train, test, train.sample_shape, len(classes), f"{root} (read per sample)")
+
+
 def _load_folder(cfg: DatasetConfig):
-    """Images in class sub-folders (torchvision's ImageFolder), resized to dataset.image_size."""
+    """Images in class sub-folders (torchvision's ImageFolder), resized to dataset.image_size and
+    decoded into memory up front (dataset.preload=true)."""
     import torchvision
     from torchvision.transforms import v2
 
-    if not cfg.root or not Path(cfg.root).expanduser().is_dir():
-        raise ConfigError(f"dataset=folder needs dataset.root=<dir of class folders>, got {cfg.root!r}")
-    root = Path(cfg.root).expanduser()
+    root = _folder_root(cfg)
     size = cfg.image_size
     transform = v2.Compose([v2.PILToTensor(), v2.Resize((size, size), antialias=True)])
 

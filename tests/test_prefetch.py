@@ -1,0 +1,110 @@
+"""Images read, decoded and augmented per sample inside the workers, the next step read ahead in a
+thread: exact against a plain DataLoader over the same files, and never ahead where reading draws
+from the global random generators."""
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from helpers import EXACT, SmallConvNet, plain_loader, tiny_dataset
+from sn_trainer import Trainer
+from sn_trainer.config import DatasetConfig
+from sn_trainer.data.datasets import load_datasets
+from sn_trainer.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(240)
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """40 JPEG files of 10x10 in three class folders."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(40):
+        label = i % 3
+        pixels = (torch.rand(10, 10, 3, generator=g) * 80 + 60 * label).to(torch.uint8).numpy()
+        (root / f"class{label}").mkdir(exist_ok=True)
+        Image.fromarray(pixels).save(root / f"class{label}" / f"{i}.jpg", quality=90)
+    return root
+
+
+def step(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.cross_entropy(model(inputs.double()), targets)
+
+
+def net():
+    torch.manual_seed(0)
+    return SmallConvNet(channels=3).double()
+
+
+def plain(model, dataset, batch_size, epochs, seed):
+    """Plain PyTorch over the files: a DataLoader per epoch, set_epoch before it (as for a
+    DistributedSampler), the same seeded order as sn_trainer documents."""
+    optimizer = SGD(model.parameters())
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        for batch in plain_loader(dataset, batch_size, seed, epoch):
+            optimizer.zero_grad()
+            step(model, batch).backward()
+            optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder, workers):
+    data = load_datasets(DatasetConfig(name="folder", root=str(folder), image_size=8, augment=True, seed=1,
+                                       test_fraction=0.1))
+    model = net()
+    reference = plain(copy.deepcopy(model), copy.deepcopy(data.train), batch_size=8, epochs=2, seed=3)
+    result = Trainer(workers=workers, batch_size=8, epochs=2, seed=3).fit(model, data.train, step_fn=step,
+                                                                          optimizer=SGD)
+    assert result.plan["prefetch"] is True and result.steps == 8  # 36 training images: 4 steps an epoch
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def test_reading_ahead_changes_nothing(folder):
+    data = load_datasets(DatasetConfig(name="folder", root=str(folder), image_size=8, augment=True))
+    ahead, inline = net(), net()
+    Trainer(workers=2, batch_size=8, epochs=2, prefetch=True).fit(ahead, data.train, step_fn=step, optimizer=SGD)
+    Trainer(workers=2, batch_size=8, epochs=2, prefetch=False).fit(inline, data.train, step_fn=step, optimizer=SGD)
+    assert all(torch.equal(p, q) for p, q in zip(ahead.parameters(), inline.parameters()))
+
+
+class FlipsWithTheGlobalGenerator(Dataset):
+    """Augmentation as most scripts write it: torch.rand from the global generator."""
+
+    def __init__(self):
+        self.data = tiny_dataset(n=24)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        image, label = self.data[i]
+        return (image.flip(-1) if torch.rand(()) < 0.5 else image), label
+
+
+def test_data_that_draws_global_random_numbers_is_not_read_ahead(caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="sn_trainer.trainer"):
+        result = Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), FlipsWithTheGlobalGenerator(),
+                                                                   optimizer=SGD)
+    assert result.plan["prefetch"] is False
+    assert "prefetch=auto: off, as reading train_set draws global random numbers" in caplog.text
+    with pytest.raises(ConfigError, match=r"^prefetch=true, and reading train_set draws from torch's, numpy's or "
+                                          r"random's global random generator"):
+        Trainer(workers=2, batch_size=8, max_steps=2, prefetch=True).fit(SmallConvNet(), FlipsWithTheGlobalGenerator(),
+                                                                         optimizer=SGD)
+    model, data = SmallConvNet(), FlipsWithTheGlobalGenerator()
+    state = torch.get_rng_state()
+    Trainer(workers=1, batch_size=8, max_steps=1).fit(model, data, optimizer=SGD)
+    assert torch.equal(torch.get_rng_state(), state)  # the launcher's reading leaves the caller's stream alone
