@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from ..config import DatasetConfig
 from ..errors import ConfigError, DataError
-from .folder import ImageFiles, scan, statistics
+from .folder import ImageFiles, decode, scan, statistics
 from .text import TextSplits, load_text
 
 DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
@@ -276,55 +276,40 @@ def _folder_root(cfg: DatasetConfig) -> Path:
     return Path(cfg.root).expanduser()
 
 
-def _folder_files(cfg: DatasetConfig) -> Splits:
-    """Images in class sub-folders, read per sample where they lie (dataset.preload=false)."""
-    root, size = _folder_root(cfg), cfg.image_size
+def _folder_split(cfg: DatasetConfig) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]], list[str]]:
+    """The training and test files (with labels) of root/train and root/test, or of root split
+    by dataset.test_fraction in a seeded order; and the class names."""
+    root = _folder_root(cfg)
     if (root / "train").is_dir() and (root / "test").is_dir():
         train_files, train_labels, classes = scan(root / "train")
         test_files, test_labels, _ = scan(root / "test", classes)
-    else:
-        files, labels, classes = scan(root)
-        order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        n_test = max(1, int(len(files) * cfg.test_fraction))
-        test_files, test_labels = [files[i] for i in order[:n_test]], [labels[i] for i in order[:n_test]]
-        train_files, train_labels = [files[i] for i in order[n_test:]], [labels[i] for i in order[n_test:]]
+        return (train_files, train_labels), (test_files, test_labels), classes
+    files, labels, classes = scan(root)
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_test = max(1, int(len(files) * cfg.test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return ([files[i] for i in train], [labels[i] for i in train]), \
+        ([files[i] for i in test], [labels[i] for i in test]), classes
+
+
+def _folder_files(cfg: DatasetConfig) -> Splits:
+    """Images in class sub-folders, read per sample where they lie (dataset.preload=false)."""
+    (train_files, train_labels), (test_files, test_labels), classes = _folder_split(cfg)
+    size = cfg.image_size
     mean, std = statistics(train_files, size)
     train = ImageFiles(train_files, train_labels, size, mean, std, len(classes), augment=bool(cfg.augment),
                        seed=cfg.seed)
     test = ImageFiles(test_files, test_labels, size, mean, std, len(classes))
-    return Splits(train, test, train.sample_shape, len(classes), f"{root} (read per sample)")
+    return Splits(train, test, train.sample_shape, len(classes), f"{_folder_root(cfg)} (read per sample)")
 
 
 def _load_folder(cfg: DatasetConfig):
-    """Images in class sub-folders (torchvision's ImageFolder), resized to dataset.image_size and
-    decoded into memory up front (dataset.preload=true)."""
-    import torchvision
-    from torchvision.transforms import v2
+    """Images in class sub-folders, resized to dataset.image_size and decoded into memory up front
+    (dataset.preload=true), as uint8 [N, 3, size, size]."""
+    train, test, classes = _folder_split(cfg)
 
-    root = _folder_root(cfg)
-    size = cfg.image_size
-    transform = v2.Compose([v2.PILToTensor(), v2.Resize((size, size), antialias=True)])
+    def read(files: list[str], labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = np.stack([decode(path, cfg.image_size) for path in files])
+        return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.tensor(labels)
 
-    def read(directory: Path):
-        try:
-            folder = torchvision.datasets.ImageFolder(str(directory), transform=transform)
-        except (FileNotFoundError, OSError) as exc:
-            raise DataError(f"{directory}: {exc}") from None
-        if len(folder) == 0:
-            raise DataError(f"{directory} holds no images")
-        # ImageFolder's loader converts every image to RGB, so all come out [3, size, size].
-        images = torch.stack([folder[i][0] for i in range(len(folder))])
-        return (images, torch.tensor(folder.targets)), folder.classes
-
-    if (root / "train").is_dir() and (root / "test").is_dir():
-        train, classes = read(root / "train")
-        test, test_classes = read(root / "test")
-        if test_classes != classes:
-            raise DataError(f"{root}: train/ has classes {classes} but test/ has {test_classes}")
-    else:
-        (images, labels), classes = read(root)
-        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(cfg.seed))
-        n_test = max(1, int(len(images) * cfg.test_fraction))
-        test = (images[order[:n_test]], labels[order[:n_test]])
-        train = (images[order[n_test:]], labels[order[n_test:]])
-    return train, test, len(classes), str(root)
+    return read(*train), read(*test), len(classes), str(_folder_root(cfg))

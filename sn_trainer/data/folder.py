@@ -1,16 +1,18 @@
 """A folder of images read where it lies: each sample is read, decoded and augmented when a worker
 asks for it, so the set may be larger than memory.
 
-Augmentation (a random crop after zero padding, a horizontal flip) draws from a generator seeded
-by (seed, epoch, index), not from the global ones: a sample comes out the same whichever worker
+Augmentation (a horizontal flip, and a crop at a random offset of the zero-padded image) draws from
+a generator seeded by (seed, epoch, index), not from the global ones: a sample comes out the same whichever worker
 reads it and whenever, so workers may read the next step ahead in a thread (``prefetch``).
 """
 from __future__ import annotations
 
+import random
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from ..errors import DataError
@@ -18,30 +20,56 @@ from ..errors import DataError
 STATISTICS_SAMPLES = 1024  # images the per-channel mean and std are estimated from, spread over the set
 
 
-def decode(path: str, size: int) -> torch.Tensor:
-    """An image file as uint8 [3, size, size] (RGB; resized, antialiased, where it is another size),
-    decoded by Pillow as torchvision's ImageFolder decodes it."""
-    from PIL import Image
-    from torchvision.transforms.v2 import functional as TF
+JPEG = (".jpg", ".jpeg")
 
-    with Image.open(path) as opened:
-        image = TF.pil_to_tensor(opened.convert("RGB"))
-    if tuple(image.shape[1:]) != (size, size):
-        image = TF.resize(image, [size, size], antialias=True)
+
+def decode(path: str, size: int) -> np.ndarray:
+    """An image file as uint8 [size, size, 3] (RGB; resized, antialiased, where it is another size).
+
+    JPEG files are decoded by torchvision's libjpeg-turbo decoder (about half Pillow's time for
+    small images: results/.../folder_bench.md), other formats, and JPEG where torchvision no
+    longer decodes, by Pillow, as torchvision's ImageFolder does.
+    """
+    image = _decode_jpeg(path) if path.lower().endswith(JPEG) else None
+    if image is None:
+        from PIL import Image
+
+        with Image.open(path) as opened:
+            image = np.asarray(opened.convert("RGB"))
+    if image.shape[:2] != (size, size):
+        from torchvision.transforms.v2 import functional as TF
+
+        chw = TF.resize(torch.from_numpy(np.array(image)).permute(2, 0, 1), [size, size],
+                        antialias=True)
+        image = chw.permute(1, 2, 0).numpy()
     return image
+
+
+def _decode_jpeg(path: str) -> np.ndarray | None:
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg, read_file
+    except ImportError:  # torchvision's decoders are deprecated (0.29) for TorchCodec's
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the fallback above is in place for their removal
+        return decode_jpeg(read_file(path), mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
 
 
 class ImageFiles(Dataset):
     """Image files and their labels: items are (float image [3, size, size], label), normalised by
-    ``mean`` and ``std`` (per channel, of pixel values in [0, 1]) as ToTensor + Normalize give."""
+    ``mean`` and ``std`` (per channel, of pixel values in [0, 1]) as ToTensor + Normalize give.
+
+    ``get_batch(indices)`` (what the workers call) decodes and augments each image into one uint8
+    batch and normalises the batch at once.
+    """
 
     def __init__(self, files: list[str], labels: list[int], size: int, mean: list[float], std: list[float],
                  num_classes: int, augment: bool = False, seed: int = 0, crop_padding: int = 4):
         if len(files) != len(labels):
             raise DataError(f"{len(files)} image files but {len(labels)} labels")
-        self.files, self.labels, self.size = list(files), list(labels), size
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1) * 255
-        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1) * 255
+        self.files, self.labels, self.size = list(files), torch.tensor(labels, dtype=torch.long), size
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1) * 255
         self.num_classes, self.augment, self.seed, self.crop_padding = num_classes, augment, seed, crop_padding
         self.epoch = 0
 
@@ -57,20 +85,33 @@ class ImageFiles(Dataset):
         self.epoch = epoch
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        try:
-            image = decode(self.files[index], self.size)
-        except (OSError, RuntimeError) as exc:
-            raise DataError(f"{self.files[index]}: cannot read the image ({exc})") from None
-        if self.augment:
-            image = self._crop_flip(image, index)
-        return (image.float() - self.mean) / self.std, self.labels[index]
+        images, labels = self.get_batch(torch.tensor([index]))
+        return images[0], int(labels[0])
 
-    def _crop_flip(self, image: torch.Tensor, index: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index) % 2**63)
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = np.zeros((len(indices), self.size, self.size, 3), dtype=np.uint8)
+        for slot, index in enumerate(indices.tolist()):
+            try:
+                image = decode(self.files[index], self.size)
+            except (OSError, RuntimeError) as exc:
+                raise DataError(f"{self.files[index]}: cannot read the image ({exc})") from None
+            if self.augment:
+                self._crop_flip_into(batch[slot], image, index)
+            else:
+                batch[slot] = image
+        images = torch.from_numpy(batch).permute(0, 3, 1, 2)
+        return (images.float() - self.mean) / self.std, self.labels[indices]
+
+    def _crop_flip_into(self, out: np.ndarray, image: np.ndarray, index: int) -> None:
+        """``image`` flipped (or not), zero-padded and cropped back to its size at a random offset,
+        written into ``out`` (zeros): the offsets and the flip depend on (seed, epoch, index) only."""
+        draw = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
         pad, size = self.crop_padding, self.size
-        dy, dx, flip = torch.randint(0, 2 * pad + 1, (3,), generator=generator).tolist()
-        image = F.pad(image, (pad,) * 4)[:, dy : dy + size, dx : dx + size]
-        return image.flip(-1) if flip % 2 else image
+        dy, dx = draw.randint(-pad, pad), draw.randint(-pad, pad)  # where the crop starts, in the image
+        if draw.random() < 0.5:
+            image = image[:, ::-1]
+        out[max(0, -dy) : size - max(0, dy), max(0, -dx) : size - max(0, dx)] = \
+            image[max(0, dy) : size + min(0, dy), max(0, dx) : size + min(0, dx)]
 
 
 def scan(directory: Path, classes: list[str] | None = None) -> tuple[list[str], list[int], list[str]]:
@@ -94,5 +135,5 @@ def statistics(files: list[str], size: int) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of pixel values in [0, 1], over up to STATISTICS_SAMPLES images
     spread over ``files``."""
     picked = torch.linspace(0, len(files) - 1, min(STATISTICS_SAMPLES, len(files))).round().long().unique()
-    images = torch.stack([decode(files[int(i)], size) for i in picked]).float().div_(255)
-    return images.mean(dim=(0, 2, 3)).tolist(), images.std(dim=(0, 2, 3)).clamp_min(1e-6).tolist()
+    images = torch.from_numpy(np.stack([decode(files[int(i)], size) for i in picked])).float().div_(255)
+    return images.mean(dim=(0, 1, 2)).tolist(), images.std(dim=(0, 1, 2)).clamp_min(1e-6).tolist()

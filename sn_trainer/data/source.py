@@ -229,10 +229,9 @@ class StreamSource:
         return _collate(items, self.collate_fn), [_collate([item], self.collate_fn) for item in items]
 
     def first_item(self) -> Any:
+        """The stream's first item (None: it yields none)."""
         head = self._head(1)
-        if not head:
-            raise ConfigError("the stream yielded no items")
-        return head[0]
+        return head[0] if head else None
 
     def position(self, step: int) -> dict[str, int]:
         """Where step ``step`` begins: the pass and the items of it before."""
@@ -241,8 +240,9 @@ class StreamSource:
             epoch, in_epoch = divmod(step, self.steps_per_epoch)
             return {"pass": epoch, "offset": in_epoch * b.step_batch}
         first = step * b.step_batch
-        pass_ = max((p for p, start in self._starts.items() if start <= first), key=self._starts.get)
-        return {"pass": pass_, "offset": first - self._starts[pass_]}
+        starts = dict(self._starts)  # a copy: the reading thread may add a pass meanwhile
+        pass_ = max((p for p, start in starts.items() if start <= first), key=starts.get)
+        return {"pass": pass_, "offset": first - starts[pass_]}
 
     def resume_at(self, position: dict[str, int] | None, step: int) -> None:
         """Go on at step ``step`` from ``position`` (a checkpoint's): the passes before it are not
@@ -269,8 +269,8 @@ def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callabl
                           "draws and splits every global batch itself")
     if isinstance(dataset, IterableDataset):
         source = StreamSource(dataset, batching, collate_fn)
-        if source.size == 0:
-            raise ConfigError(f"{name} is an empty stream (len() 0)")
+        if source.size == 0 or source.first_item() is None:
+            raise ConfigError(f"{name} is a stream that yields no items")
     else:
         try:
             size = len(dataset)
