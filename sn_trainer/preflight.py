@@ -153,11 +153,13 @@ def _optimizer_step(phase: JobPhase, params: list[torch.Tensor],
         params, range(len(params)), phase.group_options, phase.slot_groups)))
     if _needs_closure(type(built)):
         return type(built), (), None
+    # The scheduler is built before the step, as a training loop builds it (after, torch would
+    # warn that the scheduler stepped before the optimizer).
+    schedule = _attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
+        if phase.scheduler is not None else None
     _attempt(f"{prefix}the optimizer's step", built.step)
     monitor = None
-    if phase.scheduler is not None:
-        schedule = _attempt(f"{prefix}building the scheduler",
-                            lambda: Schedule(phase.scheduler(built), steps_per_epoch=1))
+    if schedule is not None:
         monitor = schedule.monitor if schedule.needs_metric else None
         stand_in = {monitor: 1.0} if monitor else {}  # the evaluation's metric, before any evaluation ran
         def every_point():
