@@ -16,6 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 from helpers import SmallConvNet, assert_exact, cross_entropy, tiny_dataset
 from sn_trainer import Trainer, checkpoint
 from sn_trainer.checkpoint import CheckpointDir
+from sn_trainer.data.source import Batching, StreamSource
 from sn_trainer.errors import DataError, WorkerFailed
 
 pytestmark = pytest.mark.timeout(240)
@@ -204,3 +205,35 @@ def test_a_stream_stopped_by_sigterm_resumes_bit_exactly_from_its_position(tmp_p
     assert mine["step"] == theirs["step"] == 14
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
     assert json.dumps(mine["run"]["stream"]) == json.dumps(theirs["run"]["stream"])
+
+
+class SharedEpoch(Shuffled):
+    """Keeps its epoch in a tensor in shared memory, as a Hugging Face stream does (so that
+    DataLoader workers see set_epoch): every process it is sent to shares that tensor."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shared = torch.zeros((), dtype=torch.long).share_memory_()
+
+    def set_epoch(self, epoch):
+        self.shared.fill_(epoch)
+
+    @property
+    def epoch(self):
+        return int(self.shared)
+
+    @epoch.setter
+    def epoch(self, value):
+        pass  # Shuffled.__init__ sets it; the shared tensor holds it
+
+
+def test_each_worker_reads_a_copy_of_the_stream_of_its_own():
+    """A worker's passes must not move another's: each source reads its own copy of the stream,
+    and the stream it was given (whose state other workers may share) is left as it was."""
+    stream = SharedEpoch(sized=False)
+    ahead, behind = StreamSource(stream, Batching(6)), StreamSource(stream, Batching(6))
+    ahead.micro_slice(4, 0, 0, 1)  # items 24-29: into pass 1
+    assert stream.epoch == 0
+    first, _ = behind.micro_slice(0, 0, 0, 1)  # pass 0's first batch, in pass 0's order
+    expected = default_collate(list(itertools.islice(iter(SharedEpoch(sized=False)), 6)))
+    assert torch.equal(first[0], expected[0]) and torch.equal(first[1], expected[1])

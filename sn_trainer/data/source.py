@@ -17,6 +17,7 @@ each epoch before it is read, as a DistributedSampler is.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,11 +151,19 @@ class StreamSource:
         self.steps_per_epoch = steps_per_epoch(self.size, batching.batch_size, batching.accumulate,
                                                batching.drop_last) if self.size is not None else None
         self._reader: _Reader | None = None
+        self._own: IterableDataset | None = None  # this process's copy of the stream (see _stream)
         self._start = 0  # the reader's pass's first item's place in the whole sequence
         self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
 
     def __getstate__(self):
-        return {**self.__dict__, "_reader": None}  # an open iterator stays in the process that opened it
+        return {**self.__dict__, "_reader": None, "_own": None}  # iterators and copies stay in their process
+
+    def _stream(self) -> IterableDataset:
+        """A copy of the stream of this worker's own: its state (the epoch set_epoch sets, which a
+        Hugging Face stream keeps in a tensor shared between processes) is then no other worker's."""
+        if self._own is None:
+            self._own = copy.deepcopy(self.stream)
+        return self._own
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -189,7 +198,7 @@ class StreamSource:
         reader = self._reader
         if reader is None or self._start + reader.offset > first:
             pass_ = max((p for p, start in self._starts.items() if start <= first), key=self._starts.get)
-            reader = self._reader = _Reader(self.stream)
+            reader = self._reader = _Reader(self._stream())
             reader.open(pass_)
             self._start = self._starts[pass_]
         items: list = []
@@ -211,7 +220,7 @@ class StreamSource:
     def _reader_at(self, pass_: int, offset: int) -> _Reader:
         reader = self._reader
         if reader is None or reader.pass_ != pass_ or reader.offset > offset:
-            reader = self._reader = _Reader(self.stream)
+            reader = self._reader = _Reader(self._stream())
             reader.open(pass_)
         reader.skip_to(offset)
         return reader

@@ -1,0 +1,86 @@
+"""A run tracked in MLflow, written by the launching process (never by a worker), as TensorBoard is.
+
+Params are the resolved config (flattened: ``optim.lr``), metrics the progress and evaluation
+records (``loss``, ``lr``, ``samples_per_sec``, ``eval_*``, ``phase_ms.*``) by step, and at the end
+the summary's numbers, the summary itself as an artifact and the last checkpoint's path as a
+tag. The store is ``MLFLOW_TRACKING_URI`` where set, else an SQLite file beside the run
+(``mlflow.db`` in the sweep's folder for a multirun, so that its jobs are one experiment's runs).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..callbacks import Callback
+
+TRAINING = ("loss", "lr", "samples_per_sec")
+
+
+def default_uri(store_dir: str | Path) -> str:
+    """Where runs go: MLFLOW_TRACKING_URI, else ``store_dir/mlflow.db``."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(store_dir).resolve() / 'mlflow.db'}"
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys, values as MLflow keeps params (strings, at most 6000 long)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)[:6000]
+    return flat
+
+
+class MLflowLog(Callback):
+    """A callback: one MLflow run in ``experiment`` named ``run_name``, with ``params``."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any],
+                 artifacts: str | Path | None = None):
+        """``artifacts``: the folder a new experiment keeps its files in (None: the store's default)."""
+        from mlflow import MlflowClient  # here: its import costs a second or two
+
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=Path(artifacts).resolve().as_uri() if artifacts else None)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = flatten(params)
+        for first in range(0, len(params), 100):  # a batch holds at most 100 params
+            self._batch(params=dict(list(params.items())[first : first + 100]))
+
+    def _batch(self, metrics: dict[str, float] | None = None, step: int = 0, params: dict[str, Any] | None = None):
+        from mlflow.entities import Metric, Param
+
+        now = int(1000 * time.time())
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()
+                                                    if v is not None and math.isfinite(float(v))],
+                              params=[Param(k, v) for k, v in (params or {}).items()])
+
+    def on_step_end(self, trainer, record) -> None:
+        self.write(record.record())
+
+    def on_eval_end(self, trainer, evaluation) -> None:
+        self.write(evaluation.record())
+
+    def write(self, record: dict[str, Any]) -> None:
+        metrics = {k: record[k] for k in TRAINING if record.get(k) is not None}
+        metrics.update({k: v for k, v in record.items() if k.startswith("eval_") and isinstance(v, (int, float))})
+        metrics.update({f"phase_ms.{phase}": ms for phase, ms in (record.get("phase_ms") or {}).items()})
+        self._batch(metrics, step=int(record["step"]))
+
+    def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
+        """End the run: the summary's numbers as final metrics, the summary as ``summary.json``."""
+        if summary is not None:
+            numbers = {f"final.{k}": v for k, v in summary.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self._batch(numbers, step=int(summary.get("steps") or 0))
+            if summary.get("last_checkpoint"):
+                self.client.set_tag(self.run_id, "last_checkpoint", str(summary["last_checkpoint"]))
+            self.client.log_dict(self.run_id, summary, "summary.json")
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
