@@ -1,8 +1,9 @@
-"""What TensorBoard logging costs a run: samples/s with logger=tensorboard and logger=none, side by side.
+"""What logging costs a run: samples/s with logger=none, tensorboard, mlflow and both, side by side.
 
 Alternating runs of the same command-line job (LeNet on Fashion-MNIST, 2 workers, one epoch,
-a progress record every 10 steps so the logger has work), medians of samples/s and of the
-job's wall time.
+a progress record every 10 steps, ten times the default rate, so the loggers have work),
+medians of samples/s and of the job's wall time. MLflow writes to an SQLite store beside each
+run (its default).
 
     python scripts/logger_cost.py [--rounds 3] [--out results/logger_cost]
 """
@@ -36,16 +37,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="results/logger_cost")
     args = parser.parse_args()
-    samples: dict[str, list[tuple[float, float]]] = {"none": [], "tensorboard": []}
+    samples: dict[str, list[tuple[float, float]]] = {"none": [], "tensorboard": [], "mlflow": [],
+                                                     "[tensorboard,mlflow]": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             for logger in samples:
-                samples[logger].append(run(logger, Path(tmp) / f"{logger}-{round_index}"))
+                samples[logger].append(run(logger, Path(tmp) / f"{logger.strip('[]').replace(',', '+')}-{round_index}"))
                 print(f"round {round_index + 1}: logger={logger}: {samples[logger][-1][0]:.0f} samples/s, "
                       f"{samples[logger][-1][1]:.1f} s", flush=True)
     med = {k: (statistics.median(r for r, _ in v), statistics.median(w for _, w in v)) for k, v in samples.items()}
     machine = describe_machine()
-    lines = ["# What TensorBoard logging costs", "",
+    lines = ["# What logging costs", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
              f"`python scripts/logger_cost.py`: `python -m sn_trainer {' '.join(JOB)} logger=...`, {args.rounds} "
              "alternating rounds, medians [min-max].", "",
@@ -54,8 +56,9 @@ def main() -> None:
         rates, walls = [r for r, _ in v], [w for _, w in v]
         lines.append(f"| {k} | {med[k][0]:.0f} [{min(rates):.0f}-{max(rates):.0f}] | {med[k][1]:.1f} "
                      f"[{min(walls):.1f}-{max(walls):.1f}] |")
-    lines.append(f"\ntensorboard / none: samples/s {med['tensorboard'][0] / med['none'][0]:.3f}, wall time "
-                 f"{med['tensorboard'][1] / med['none'][1]:.3f}.")
+    lines.append("")
+    for k in list(samples)[1:]:
+        lines.append(f"{k} / none: samples/s {med[k][0] / med['none'][0]:.3f}, wall time {med[k][1] / med['none'][1]:.3f}.")
     write_result(args.out, {"machine": machine, "rounds": args.rounds, "samples": samples}, "\n".join(lines))
 
 

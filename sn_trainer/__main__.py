@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .config import RunConfig, help_text
@@ -19,7 +20,11 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
-        summary = run(RunConfig.from_dict(resolved), HydraConfig.get().runtime.output_dir, resolved)
+        hydra_cfg = HydraConfig.get()
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        summary = run(RunConfig.from_dict(resolved), hydra_cfg.runtime.output_dir, resolved,
+                      sweep_dir=hydra_cfg.sweep.dir if multirun else None,
+                      run_name=(hydra_cfg.job.override_dirname or f"job {hydra_cfg.job.num}") if multirun else None)
     except InputError as exc:
         _exit(2, f"error: {exc}")
     except TrainingInterrupted as exc:

@@ -21,7 +21,7 @@ START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = (*runtime.ALLOCATORS, "auto")  # auto: what tuning measured fastest
 OPENMPS = (*runtime.OPENMPS, "auto")
 SCHEDULES = ("constant", "cosine", "step")
-LOGGERS = ("none", "tensorboard")
+LOGGERS = ("none", "tensorboard", "mlflow")
 
 __all__ = ["ConfigError", "TrainerConfig", "RunConfig", "ModelConfig", "DatasetConfig", "OptimConfig",
            "BenchConfig", "CheckpointConfig", "option_rows"]
@@ -299,9 +299,12 @@ class RunConfig:
     tune: bool = option(False, "first measure which workers x threads (and runtime) trains this model and batch "
                                "fastest here, print the table, then train with it; the choice is cached for "
                                "workers=auto")
-    logger: str = option("tensorboard", "`tensorboard`: loss, lr, speed, milliseconds per phase, per-core CPU and "
-                                        "evaluation as TensorBoard events in the output directory, written by the "
-                                        "launcher; `none`")
+    logger: str | list[str] = option("tensorboard", "`tensorboard`: loss, lr, speed, milliseconds per phase, "
+                                                    "per-core CPU and evaluation as TensorBoard events in the output "
+                                                    "directory, written by the launcher; `mlflow`: params, the same "
+                                                    "metrics and the summary as an MLflow run (MLFLOW_TRACKING_URI, "
+                                                    "else mlflow.db beside the run or sweep); a list such as "
+                                                    "`[tensorboard,mlflow]`; `none`")
 
     SECTIONS = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig,
                 "checkpoint": CheckpointConfig}
@@ -315,7 +318,8 @@ class RunConfig:
         profile = raw.pop("profile", False)
         _require(isinstance(profile, bool), f"profile must be true or false, got {profile!r}")
         logger = raw.pop("logger", "tensorboard")
-        _one_of(logger, "logger", LOGGERS)
+        for name in logger if isinstance(logger, list) else [logger]:
+            _one_of(name, "logger", LOGGERS)
         tune = raw.pop("tune", False)
         _require(isinstance(tune, bool), f"tune must be true or false, got {tune!r}")
         for key in [k for k in raw if k in _CHECKPOINT_KEYS]:

@@ -26,8 +26,12 @@ from .trainer import Trainer
 log = logging.getLogger("sn_trainer")
 
 
-def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) -> dict[str, Any]:
+def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sweep_dir: str | None = None,
+        run_name: str | None = None) -> dict[str, Any]:
     """Train and evaluate as ``cfg`` says; write summary.json and metrics.csv into ``out_dir``.
+
+    ``sweep_dir``: a multirun's folder (its jobs are one MLflow experiment's runs, kept there);
+    ``run_name``: this job's name in MLflow (default: the output folder's name).
 
     Returns:
         The summary (also written to ``out_dir/summary.json``).
@@ -83,21 +87,23 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
                                        allocator=tuned.allocator, openmp=tuned.openmp)
         trainer = Trainer.from_config(settings, cluster)
         placement = trainer.placement
-    sinks = [ProgressLog(out, total_steps)]
-    if cfg.logger == "tensorboard":
-        from .report.tensorboard import TensorBoardLog
-
-        sinks.append(TensorBoardLog(out, tokens_per_sample=data.block_size if text else None))
+    progress = ProgressLog(out, total_steps)
+    loggers = _loggers(cfg, out, resolved, sweep_dir, run_name, data.block_size if text else None)
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
-                             scheduler=build_scheduler(cfg.optim, total_steps), callbacks=sinks,
+                             scheduler=build_scheduler(cfg.optim, total_steps), callbacks=[progress, *loggers.values()],
                              run_config=resolved, step_fn=step_fn, param_groups=param_groups)
+    except BaseException:
+        if "mlflow" in loggers:
+            loggers["mlflow"].close(failed=True)
+        raise
     finally:
-        sinks[0].close()
-    if len(sinks) > 1:
-        sinks[1].close(_hparams(cfg), {"test_loss": result.eval_loss, "test_accuracy": result.eval_accuracy,
-                                       "samples_per_sec": result.samples_per_sec})
+        progress.close()
+    if "tensorboard" in loggers:
+        loggers["tensorboard"].close(_hparams(cfg), {"test_loss": result.eval_loss,
+                                                     "test_accuracy": result.eval_accuracy,
+                                                     "samples_per_sec": result.samples_per_sec})
     summary = {
         "config": resolved,
         "machine": machine,
@@ -138,6 +144,8 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]) ->
         summary["sample"] = _write_sample(model, data, out, settings.seed)
         print(f"sample:\n{summary['sample']}\n", flush=True)
     _write_json_atomically(out / "summary.json", summary)
+    if "mlflow" in loggers:
+        loggers["mlflow"].close(summary)
     if text:
         quality = (f"test loss {result.eval_loss:.4f} (perplexity {summary['test_perplexity']:.2f}), "
                    if result.eval_loss is not None else "")
@@ -177,6 +185,30 @@ def _write_sample(model, data, out: Path, seed: int, new_tokens: int = 300) -> s
     text = data.decode(tokens[0].tolist())
     (out / "sample.txt").write_text(text + "\n")
     return text
+
+
+def _loggers(cfg: RunConfig, out: Path, resolved: dict[str, Any], sweep_dir: str | None, run_name: str | None,
+             tokens_per_sample: int | None) -> dict[str, Any]:
+    """The loggers ``cfg.logger`` names, by name, each a callback of the run."""
+    names = cfg.logger if isinstance(cfg.logger, list) else [cfg.logger]
+    loggers: dict[str, Any] = {}
+    if "tensorboard" in names:
+        from .report.tensorboard import TensorBoardLog
+
+        loggers["tensorboard"] = TensorBoardLog(out, tokens_per_sample=tokens_per_sample)
+    if "mlflow" in names:
+        from .report.mlflow_log import MLflowLog, default_uri
+
+        try:
+            import mlflow  # noqa: F401 - installed, or say how to install it
+        except ImportError:
+            raise ConfigError("logger=mlflow needs MLflow's client: pip install 'sn_trainer[mlflow]'") from None
+
+        store = Path(sweep_dir) if sweep_dir else out
+        loggers["mlflow"] = MLflowLog(default_uri(store), os.environ.get("MLFLOW_EXPERIMENT_NAME", "sn_trainer"),
+                                      run_name or out.name, {k: v for k, v in resolved.items() if k != "hydra"},
+                                      artifacts=store / "mlartifacts")
+    return loggers
 
 
 def _hparams(cfg: RunConfig) -> dict[str, Any]:

@@ -70,7 +70,8 @@ class MLflowLog(Callback):
 
     def write(self, record: dict[str, Any]) -> None:
         metrics = {k: record[k] for k in TRAINING if record.get(k) is not None}
-        metrics.update({k: v for k, v in record.items() if k.startswith("eval_") and isinstance(v, (int, float))})
+        metrics.update({k: v for k, v in record.items()
+                        if k.startswith("eval_") and k != "eval_samples" and isinstance(v, (int, float))})
         metrics.update({f"phase_ms.{phase}": ms for phase, ms in (record.get("phase_ms") or {}).items()})
         self._batch(metrics, step=int(record["step"]))
 
