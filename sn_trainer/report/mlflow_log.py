@@ -17,6 +17,7 @@ from typing import Any
 from ..callbacks import Callback
 
 TRAINING = ("loss", "lr", "samples_per_sec")
+FLUSH_SECONDS = 10.0  # metrics wait at most this long in memory: each write to the store costs milliseconds of CPU
 
 
 def default_uri(store_dir: str | Path) -> str:
@@ -50,37 +51,47 @@ class MLflowLog(Callback):
         experiment_id = found.experiment_id if found else self.client.create_experiment(
             experiment, artifact_location=Path(artifacts).resolve().as_uri() if artifacts else None)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        params = flatten(params)
-        for first in range(0, len(params), 100):  # a batch holds at most 100 params
-            self._batch(params=dict(list(params.items())[first : first + 100]))
+        from mlflow.entities import Param
 
-    def _batch(self, metrics: dict[str, float] | None = None, step: int = 0, params: dict[str, Any] | None = None):
-        from mlflow.entities import Metric, Param
+        params = [Param(k, v) for k, v in flatten(params).items()]
+        for first in range(0, len(params), 100):  # a batch holds at most 100 params
+            self.client.log_batch(self.run_id, params=params[first : first + 100])
+        self._pending: list = []
+        self._flushed = time.monotonic()
+
+    def _add(self, metrics: dict[str, Any], step: int, flush: bool = False) -> None:
+        """Keep ``metrics`` of ``step``; write what is kept when ``flush``, or FLUSH_SECONDS after the last write."""
+        from mlflow.entities import Metric
 
         now = int(1000 * time.time())
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()
-                                                    if v is not None and math.isfinite(float(v))],
-                              params=[Param(k, v) for k, v in (params or {}).items()])
+        self._pending += [Metric(k, float(v), now, step) for k, v in metrics.items()
+                          if v is not None and math.isfinite(float(v))]
+        if flush or time.monotonic() - self._flushed >= FLUSH_SECONDS:
+            for first in range(0, len(self._pending), 1000):  # a batch holds at most 1000 metrics
+                self.client.log_batch(self.run_id, metrics=self._pending[first : first + 1000])
+            self._pending, self._flushed = [], time.monotonic()
 
     def on_step_end(self, trainer, record) -> None:
         self.write(record.record())
 
     def on_eval_end(self, trainer, evaluation) -> None:
-        self.write(evaluation.record())
+        self.write(evaluation.record(), flush=True)  # an evaluation is what a sweep's watcher waits for
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], flush: bool = False) -> None:
         metrics = {k: record[k] for k in TRAINING if record.get(k) is not None}
         metrics.update({k: v for k, v in record.items()
                         if k.startswith("eval_") and k != "eval_samples" and isinstance(v, (int, float))})
         metrics.update({f"phase_ms.{phase}": ms for phase, ms in (record.get("phase_ms") or {}).items()})
-        self._batch(metrics, step=int(record["step"]))
+        self._add(metrics, int(record["step"]), flush)
 
     def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
         """End the run: the summary's numbers as final metrics, the summary as ``summary.json``."""
         if summary is not None:
             numbers = {f"final.{k}": v for k, v in summary.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self._batch(numbers, step=int(summary.get("steps") or 0))
+            self._add(numbers, int(summary.get("steps") or 0))
+        self._add({}, 0, flush=True)
+        if summary is not None:
             if summary.get("last_checkpoint"):
                 self.client.set_tag(self.run_id, "last_checkpoint", str(summary["last_checkpoint"]))
             self.client.log_dict(self.run_id, summary, "summary.json")
