@@ -1,6 +1,8 @@
-"""The tools people run beside a trainer, each real and running locally: MLflow's tracking store."""
+"""The tools people run beside a trainer, each real and running locally: MLflow's tracking store,
+an Optuna study."""
 import json
-import os
+import subprocess
+import sys
 
 import mlflow
 import pytest
@@ -45,3 +47,29 @@ def test_mlflow_tracking_uri_is_where_runs_go(tmp_path):
     found = runs(f"sqlite:///{store}")
     assert len(found) == 1 and found["tags.mlflow.runName"][0] == "run"
     assert not list((tmp_path / "run").glob("events.out.tfevents.*"))  # logger=mlflow alone
+
+
+def test_an_optuna_study_of_three_trials_searches_lr_weight_decay_and_batch(tmp_path):
+    """+experiment=optuna_lr: hydra-optuna-sweeper's TPE study, each trial a job whose objective
+    is the test accuracy it returns; the sweep report reads the study."""
+    import yaml
+
+    sweep = tmp_path / "study"
+    proc = sn_train(["--multirun", "+experiment=optuna_lr", "hydra.sweeper.n_trials=3", "max_steps=5", "workers=2",
+                     f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    trials = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert len(trials) == 3 and {t["config"]["dataset"]["name"] for t in trials} == {"fashion_mnist"}
+    for t in trials:
+        assert 0.005 <= t["config"]["optim"]["lr"] <= 0.2 and 1e-5 <= t["config"]["optim"]["weight_decay"] <= 1e-3
+        assert t["batch_size"] in (64, 128, 256)
+    found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    top = max(trials, key=lambda t: t["test_accuracy"])
+    assert found["best_value"] == pytest.approx(top["test_accuracy"])
+    assert found["best_params"]["optim.lr"] == pytest.approx(top["config"]["optim"]["lr"])
+    assert found["best_params"]["batch_size"] == top["batch_size"]
+    report = subprocess.run([sys.executable, "-m", "sn_trainer.report", str(sweep)], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "study (3 trials), best test accuracy first:" in report.stdout
+    assert f"(test accuracy {found['best_value']})" in report.stdout

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .sweep import ReportError, collect, plot_all, table, write_csv
+from .sweep import ReportError, collect, plot_all, study, table, write_csv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(rows, out / "sweep.csv")
     paths = plot_all(rows, out)
     print(table(rows))
+    found = study(args.sweep_dir, rows)
+    if found:
+        print(found)
     print(f"wrote {out / 'sweep.csv'} and {', '.join(p.name for p in paths)}")
     return 0
 

@@ -9,7 +9,7 @@ from typing import Any
 
 PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
 COLUMNS = ("job", "model", "batch_size", "workers", "threads", "per_worker_batch", "samples_per_sec",
-           "efficiency", "measured_steps", "mean_cpu_percent", "idle_cores", "other_cpu_percent",
+           "efficiency", "test_accuracy", "lr", "weight_decay", "measured_steps", "mean_cpu_percent", "idle_cores", "other_cpu_percent",
            *[f"{p}_ms_per_step" for p in PHASES])
 
 
@@ -61,6 +61,9 @@ def _row(job: str, summary: dict[str, Any]) -> dict[str, Any]:
         "mean_cpu_percent": sum(cpu) / len(cpu) if cpu else None,
         "idle_cores": sum(1 for c in cpu if c < 20) if cpu else None,  # cores under 20% busy
         "other_cpu_percent": summary.get("other_cpu_percent"),  # the machine's CPU spent on other processes
+        "test_accuracy": summary.get("test_accuracy"),
+        "lr": ((summary.get("config") or {}).get("optim") or {}).get("lr"),
+        "weight_decay": ((summary.get("config") or {}).get("optim") or {}).get("weight_decay"),
     }
     for phase in PHASES:
         row[f"{phase}_ms_per_step"] = 1000 * summary["phase_seconds"][phase] / steps
@@ -230,3 +233,26 @@ def _phases(ax, rows):
     ax.set_xlabel("job (batch, workers, threads)")
     ax.set_title("where each step's time goes")
     ax.legend(fontsize=8)
+
+
+STUDY_RESULTS = "optimization_results.yaml"  # what hydra-optuna-sweeper writes into the sweep's folder
+
+
+def study(sweep_dir: str | Path, rows: list[dict[str, Any]]) -> str | None:
+    """An Optuna sweep's trials, best test accuracy first, and the best the study reported
+    (None: the sweep was no study)."""
+    import yaml
+
+    path = Path(sweep_dir) / STUDY_RESULTS
+    if not path.is_file():
+        return None
+    found = yaml.safe_load(path.read_text()) or {}
+    trials = sorted((r for r in rows if r["test_accuracy"] is not None), key=lambda r: -r["test_accuracy"])
+    lines = [f"study ({len(trials)} trials), best test accuracy first:",
+             f"{'test accuracy':>13s} {'lr':>10s} {'weight decay':>12s} {'batch':>5s}"]
+    lines += [f"{r['test_accuracy']:13.4f} {r['lr']:10.4g} {r['weight_decay']:12.4g} {r['batch_size']:5d}"
+              for r in trials]
+    params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in (found.get("best_params") or {}).items())
+    lines.append(f"the study's best: {params} (test accuracy {found.get('best_value')})")
+    return "\n".join(lines)
