@@ -62,8 +62,9 @@ def main() -> None:
 
 def _groups() -> dict[str, list[str]]:
     conf = Path(__file__).with_name("conf")
-    return {group.name: sorted(p.stem for p in group.glob("*.yaml"))
-            for group in sorted(conf.iterdir()) if group.is_dir()}
+    groups = [group for group in sorted(conf.iterdir()) if group.is_dir() and group.name != "hydra"]
+    groups += sorted(p for p in (conf / "hydra").iterdir() if p.is_dir())  # hydra/launcher: Hydra's own groups
+    return {group.relative_to(conf).as_posix(): sorted(p.stem for p in group.glob("*.yaml")) for group in groups}
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """The tools people run beside a trainer, each real and running locally: MLflow's tracking store,
-an Optuna study."""
+an Optuna study, submitit's launcher (and what it would send to Slurm)."""
 import json
+import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import mlflow
 import pytest
 
+import sn_trainer
+from helpers import processes_with_marker
 from test_cli import TINY, sn_train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,3 +80,67 @@ def test_an_optuna_study_of_three_trials_searches_lr_weight_decay_and_batch(tmp_
     assert report.returncode == 0, report.stderr
     assert "study (3 trials), best test accuracy first:" in report.stdout
     assert f"(test accuracy {found['best_value']})" in report.stdout
+
+
+def test_sweep_jobs_run_through_submitit_on_this_machine(tmp_path):
+    """hydra/launcher=submitit_local: the jobs a Slurm sweep would send, run by submitit here."""
+    marker = uuid.uuid4().hex
+    sweep = tmp_path / "sweep"
+    proc = sn_train(["--multirun", "hydra/launcher=submitit_local", *TINY, "batch_size=16,32", "workers=2",
+                     "max_steps=3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"SN_TEST_MARKER": marker})
+    assert proc.returncode == 0, proc.stderr
+    assert "Submitit 'local' sweep output dir" in proc.stderr + proc.stdout
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted(s["batch_size"] for s in summaries) == [16, 32] and all(s["steps"] == 3 for s in summaries)
+    assert list((sweep / ".submitit").rglob("*_result.pkl"))  # submitit ran them, and kept their results
+    assert processes_with_marker(marker) == []
+
+
+def fake_slurm_commands(bin_dir: Path) -> dict[str, str]:
+    """``srun`` and ``scontrol`` as scripts that note their arguments: enough for submitit to
+    write its sbatch file, and for the multi-node script to run, without a cluster."""
+    bin_dir.mkdir()
+    for name, body in (("srun", 'echo "srun $*" >> "$SLURM_FAKE_LOG"'),
+                       ("scontrol", 'echo node07; echo node08')):
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_the_slurm_preset_asks_for_whole_nodes(tmp_path, monkeypatch):
+    """hydra/launcher=slurm_node, composed as the command line composes it, through the launcher's
+    own mapping into submitit: the sbatch file it would submit."""
+    import submitit
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    monkeypatch.setenv("PATH", fake_slurm_commands(tmp_path / "bin")["PATH"])
+    with initialize_config_dir(config_dir=str(Path(sn_trainer.__file__).with_name("conf")), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm_node", "hydra.launcher.partition=cpu",
+                                           "hydra.launcher.cpus_per_task=64"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    generic = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor = submitit.AutoExecutor(cluster="slurm", folder=str(tmp_path / "jobs"))
+    executor.update_parameters(**{k if k in generic else f"slurm_{k}": v for k, v in params.items()
+                                  if k not in ("_target_", "submitit_folder", "max_num_timeout")})
+    sbatch = executor._executor._make_submission_file_text("python -m sn_trainer", "0")  # what sbatch would get
+    for line in ("#SBATCH --partition=cpu", "#SBATCH --cpus-per-task=64", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --nodes=1", "#SBATCH --exclusive", "#SBATCH --time=240"):
+        assert line in sbatch.splitlines(), sbatch
+
+
+def test_the_multinode_sbatch_script_starts_one_torchrun_per_node_meeting_on_the_first(tmp_path):
+    """scripts/slurm_torchrun.sbatch under Slurm's variables: srun starts torchrun with the c10d
+    rendezvous test_multinode.py runs for real (two torchruns on one machine)."""
+    log = tmp_path / "calls"
+    env = {**os.environ, **fake_slurm_commands(tmp_path / "bin"), "SLURM_FAKE_LOG": str(log),
+           "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_torchrun.sbatch"), "workers=16", "batch_size=512"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().split() == [
+        "srun", "--kill-on-bad-exit=1", "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=node07:29500", "--rdzv-id=4242", "-m", "sn_trainer", "workers=16",
+        "batch_size=512"]
