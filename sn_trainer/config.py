@@ -98,6 +98,9 @@ class TrainerConfig:
     openmp: str = option("gnu", "the workers' OpenMP runtime: `gnu` (torch's own), `intel` (libiomp5 from the "
                                 "intel-openmp package, preloaded), or `auto` (what tuning measured fastest for this "
                                 "model, else gnu)")
+    compile: bool | str = option(False, "torch.compile the model in each worker (inductor; the workers share its "
+                                        "cache): `true`, `false`, or `auto` (what tuning measured faster for this "
+                                        "model, else false); the compile time is reported apart (compile_seconds)")
     prefetch: bool | str = option("auto", "each worker reads the next step's slice in a thread while this step "
                                           "computes; `auto`: where reading draws no global random numbers")
     log_every: int = option(100, "optimizer steps between progress records")
@@ -147,6 +150,8 @@ class TrainerConfig:
         _one_of(self.openmp, "openmp", OPENMPS)
         _require(isinstance(self.channels_last, bool) or self.channels_last == "auto",
                  f"channels_last must be true, false or auto, got {self.channels_last!r}")
+        _require(isinstance(self.compile, bool) or self.compile == "auto",
+                 f"compile must be true, false or auto, got {self.compile!r}")
         _require(isinstance(self.prefetch, bool) or self.prefetch == "auto",
                  f"prefetch must be true, false or auto, got {self.prefetch!r}")
         _require(isinstance(self.sync_batchnorm, bool),

@@ -121,6 +121,7 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sw
         "steps": result.steps,
         "measured_steps": result.measured_steps,
         "train_seconds": result.train_seconds,
+        "compile_seconds": result.compile_seconds,
         "phase_seconds": result.phase_seconds,
         "cpu_percent_per_core": result.cpu_percent_per_core,
         "final_loss": result.final_loss,

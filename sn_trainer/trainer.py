@@ -91,6 +91,7 @@ class FitResult:
     plan: dict[str, Any] = field(default_factory=dict)  # everything the run was resolved to
     stopped_early: int | None = None  # a callback stopped the run after this step (trainer.should_stop)
     ema_state_dict: dict[str, Any] | None = None  # with ema_decay: the model's state_dict, averaged weights
+    compile_seconds: float | None = None  # with compile: the first step's time beyond a measured step's (compiling)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -256,27 +257,32 @@ class Trainer:
 
         step_seconds: list[float] = []  # of the measurements so far: the next one's steps fill window_s
 
-        def measure(workers: int, threads: int, batch: int, runtime: Runtime) -> tuple[float, float]:
+        def measure(workers: int, threads: int, batch: int, runtime: Runtime,
+                    compiled: bool = False) -> tuple[float, float]:
             # A runtime other than the warm workers' is measured with spawned workers, as it would run.
             start_method = cfg.start_method if starts_warm(cfg.start_method, runtime) else "spawn"
             timed = max(steps, math.ceil(window_s / min(step_seconds))) if step_seconds else steps
             trainer = Trainer(**{**asdict(cfg), "workers": workers, "threads": threads, "batch_size": batch,
                                  "allocator": runtime.allocator, "openmp": runtime.openmp,
                                  "start_method": start_method, "max_steps": warmup + timed, "measure_after": warmup,
-                                 "checkpoint_dir": None, "resume": None, "log_every": 10**9})
+                                 "checkpoint_dir": None, "resume": None, "log_every": 10**9, "compile": compiled})
             result = trainer.fit(copy.deepcopy(model), train_set, optimizer=optimizer, loss_fn=loss_fn,
                                  step_fn=step_fn, param_groups=param_groups)
-            log.info("tune: %d workers x %d threads, batch %d, %s: %.0f samples/s", workers, threads, batch,
-                     runtime, result.samples_per_sec)
+            log.info("tune: %d workers x %d threads, batch %d, %s%s: %.0f samples/s", workers, threads, batch,
+                     runtime, ", compiled" if compiled else "", result.samples_per_sec)
             step_seconds.append(result.train_seconds / result.measured_steps)
             return result.samples_per_sec, step_seconds[-1]
 
         calibration, rows, by_runtime = tune.search(measure, self.topology.usable_cores, cfg.batch_size,
                                                     allocators, openmps, top)
         workers, threads, runtime, rate = tune.winner(rows, by_runtime)
+        compiled = {}
+        if cfg.compile == "auto":  # the winner compiled, against eager (its compile falls in the warm-up)
+            compiled = {"eager": rate, "compiled": measure(workers, threads, cfg.batch_size, runtime, True)[0]}
         result = tune.TuneResult(workers, threads, runtime.allocator, rate, rows, calibration,
                                  time.monotonic() - started, openmp=runtime.openmp,
-                                 runtimes={str(r): speed for r, speed in by_runtime.items()})
+                                 runtimes={str(r): speed for r, speed in by_runtime.items()},
+                                 compile_rates=compiled)
         if cache:
             path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)
             log.info("tune: cached in %s for workers=auto", path)
@@ -467,6 +473,7 @@ class Trainer:
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
                     profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout, prefetch=prefetch,
+                    compile=self._compile_for(model),
                     data=train.kind)
         return _Run(model=model, train=train, eval_set=eval_set, eval_collate_fn=eval_collate_fn, objective=objective, phases=job_phases,
                     layout=layout, rehearsal=rehearsal, first_plan=plan,
@@ -561,6 +568,8 @@ class Trainer:
             plan=plan.summary(lead.comm),
             stopped_early=lead.stopped_at,
             ema_state_dict=outcome.ema_state_dict,
+            compile_seconds=max(0.0, lead.first_step_seconds - lead.train_seconds / lead.measured_steps)
+            if plan.compile and lead.measured_steps else None,
         )
 
     def _check_combinations(self, kind: str, dataset_size: int) -> None:
@@ -646,6 +655,22 @@ class Trainer:
         results, _, _ = self._run(model, layout, None, dataset, objective, [], plan, None, None,
                                   eval_collate_fn=collate_fn)
         return dict(results[0].eval_metrics)
+
+    def _compile_for(self, model: nn.Module) -> bool:
+        """``compile``: as set, or with ``auto`` what tuning measured for this model and batch
+        (eager where it measured nothing)."""
+        cfg = self.config
+        if cfg.compile != "auto":
+            return cfg.compile
+        entry = tune.load(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision))
+        rates = (entry or {}).get("compile_rates") or {}
+        if not rates:
+            log.info("compile=auto: eager, as tuning measured no compiled run of this model and batch "
+                     "(Trainer.tune with compile=auto, or tune=true, measures one)")
+            return False
+        log.info("compile=auto: %s (tuning measured %.0f samples/s compiled, %.0f eager)",
+                 "compiled" if rates["compiled"] > rates["eager"] else "eager", rates["compiled"], rates["eager"])
+        return rates["compiled"] > rates["eager"]
 
     def _prefetch(self, draws_random: bool) -> bool:
         """Whether workers read the next step's slice in a thread while this step computes:

@@ -121,6 +121,12 @@ class TuneResult:
     cached: bool = False  # read from the cache, not measured now
     openmp: str = "gnu"
     runtimes: dict[str, float] = field(default_factory=dict)  # samples/s at the winner, by runtime
+    compile_rates: dict[str, float] = field(default_factory=dict)  # at the winner: eager and compiled samples/s
+
+    @property
+    def compile(self) -> bool:
+        """Whether compile=auto compiles: it measured faster than eager."""
+        return bool(self.compile_rates) and self.compile_rates["compiled"] > self.compile_rates["eager"]
 
     def table(self) -> str:
         lines = [f"{'workers':>7s} {'threads':>7s} {'per-worker':>10s} {'predicted':>10s} {'measured':>10s}"]
@@ -135,6 +141,9 @@ class TuneResult:
             if r.get("with_runtime"):
                 lines.append(f"the runner-up, {r['workers']} x {r['threads']}, with {r['with_runtime']['runtime']}: "
                              f"{r['with_runtime']['measured']:.0f}")
+        if self.compile_rates:
+            lines.append(f"at the best measured: eager {self.compile_rates['eager']:.0f}, compiled "
+                         f"{self.compile_rates['compiled']:.0f} (compile=auto: {'compiled' if self.compile else 'eager'})")
         lines.append(f"best: workers={self.workers} threads={self.threads} {Runtime(self.allocator, self.openmp)} "
                      f"({self.samples_per_sec:.0f} samples/s; tuning took {self.seconds:.0f} s)")
         return "\n".join(lines)
@@ -200,7 +209,7 @@ def store(key: str, result: TuneResult, path: Path | None = None) -> Path:
     except (OSError, ValueError):
         cache = {}
     cache[key] = {"workers": result.workers, "threads": result.threads, "allocator": result.allocator,
-                  "openmp": result.openmp,
+                  "openmp": result.openmp, "compile_rates": result.compile_rates,
                   "samples_per_sec": result.samples_per_sec, "calibration": asdict(result.calibration),
                   "rows": result.rows, "measured_at": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")

@@ -69,3 +69,4 @@ class WorkerResult:
     skipped_steps: int = 0
     stopped_at: int | None = None  # a signal or a callback stopped the run after this step
     diverged_at: int | None = None
+    first_step_seconds: float = 0.0  # the first step's wall time (with compile: compiling included)

@@ -68,6 +68,7 @@ class Plan:
     profile_dir: str | None = None
     profile_steps: int = 3
     worker_timeout: float = 300.0
+    compile: bool = False  # torch.compile the model in each worker
     prefetch: bool = False  # read the next step's slice in a thread while this step computes
     data: str = "map-style"  # or "stream": how the training set is read
     notes: tuple[str, ...] = field(default=())
@@ -126,7 +127,7 @@ class Plan:
                 "ema_decay": self.ema_decay, "loss_form": self.loss_form,
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phases],
                 "batch_size": self.batch_size, "accumulate": self.accumulate, "per_worker_batch": self.per_worker_batch,
-                "drop_last": self.drop_last, "data": self.data, "prefetch": self.prefetch,
+                "drop_last": self.drop_last, "data": self.data, "prefetch": self.prefetch, "compile": self.compile,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                 "start_step": self.start_step, "notes": [*p.notes, *self.notes]}
 

@@ -103,6 +103,10 @@ class Replica:
         self.model, self.layout, self.objective = job.model, job.layout, job.objective
         self.precision, self.dtype = Precision(placement.precision), job.flat.dtype
         self.layout.bind(self.model, job.flat)
+        # What forward passes call: the model, or (compile) inductor's compilation of it, over the
+        # same parameters; it compiles on its first call (the first step), from the shared cache
+        # where another worker or run compiled it already.
+        self.runner = torch.compile(self.model) if plan.compile else self.model
         self.params = self.layout.parameters(self.model)
         self.buffers = ReplicaBuffers(self.model, spec.rank)
 
@@ -191,7 +195,7 @@ class Replica:
             if samples == 0:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
             with timer("forward"):
-                micro_loss, micro_count = phase.objective.train_terms(self.model, batch, samples, self.precision,
+                micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
                                                                       self.dtype)
             with timer("backward"):
                 micro_loss.backward()
@@ -277,7 +281,7 @@ class Replica:
                                               self.plan.eval_batch_size, self.plan.max_eval_batches):
                 beat("eval")
                 batch = in_layout(batch, self.plan.channels_last)
-                found = self.objective.eval_terms(self.model, batch, samples, self.precision, self.dtype)
+                found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
                     sums[2 * k] += value_sum
@@ -401,7 +405,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     timer = PhaseTimer(beat)
     profiler = Profiler(plan.profile_dir, measure_from, plan.profile_steps, replica.rank)
     eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
-    skipped, stopped_at, diverged_at = 0, None, None
+    skipped, stopped_at, diverged_at, first_step_seconds = 0, None, None, 0.0
     started = last_log_time = time.perf_counter()
     last_log_step, last_log_phases = plan.start_step, dict(timer.seconds)
     cpu = CpuClock()
@@ -413,7 +417,10 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
             psutil.cpu_percent(percpu=True)  # starts the per-core utilisation interval
             cpu.start()
         profiler.before(step)
+        step_started = time.perf_counter()
         phase_totals = replica.train_step(step, timer)
+        if step == plan.start_step:
+            first_step_seconds = time.perf_counter() - step_started
         profiler.after(step)
         losses = replica.losses(phase_totals)
         loss = losses[0]
@@ -460,4 +467,5 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     return WorkerResult(replica.reducer.name, eval_metrics, pss_bytes=own_pss(), phase_seconds=timer.seconds,
                         measured_steps=last - measure_from, cpu_seconds=cpu.stop(), train_seconds=train_seconds,
                         eval_seconds=eval_seconds, final_loss=loss, cpu_percent_per_core=cpu_percent,
-                        skipped_steps=skipped, stopped_at=stopped_at, diverged_at=diverged_at)
+                        skipped_steps=skipped, stopped_at=stopped_at, diverged_at=diverged_at,
+                        first_step_seconds=first_step_seconds)
