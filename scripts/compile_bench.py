@@ -77,8 +77,9 @@ def main() -> None:
             ratios[f"{case} {precision}"] = c / e
             later = [r["compile_seconds"] for r in compiled[1:]]
             spread = {k: [r["samples_per_sec"] for r in rs] for k, rs in (("e", eager), ("c", compiled))}
-            lines.append(f"| {case} | {compiled[0]['precision']} | {e:.0f} [{min(spread['e']):.0f}-{max(spread['e']):.0f}]"
-                         f" | {c:.0f} [{min(spread['c']):.0f}-{max(spread['c']):.0f}] | {c / e:.3f} | "
+            lines.append(f"| {case} | {compiled[0]['precision']} | {e:.0f} "
+                         f"[{min(spread['e']):.0f}-{max(spread['e']):.0f}] | {c:.0f} "
+                         f"[{min(spread['c']):.0f}-{max(spread['c']):.0f}] | {c / e:.3f} | "
                          f"{compiled[0]['compile_seconds']:.1f} | "
                          + (f"{statistics.median(later):.1f} |" if later else "- |"))
     write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "runs": runs,
