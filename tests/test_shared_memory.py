@@ -1,5 +1,6 @@
 """Parameters exist once, in shared memory; optimizer state exists once, sharded."""
 import functools
+import resource
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from sn_trainer.data.source import Batching, IndexSource
 from sn_trainer.engine.layout import FlatLayout
 from sn_trainer.engine.objective import Objective
 from sn_trainer.engine.plan import Plan
-from sn_trainer.engine.shared import SharedParams
+from sn_trainer.engine.shared import SharedParams, resident_pages_by_node
 from sn_trainer.engine.phases import JobPhase
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,3 +77,27 @@ def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_b
     assert torch.equal(layout.to_stored(0, contiguous[0]), stored)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     SharedParams.release(model)
+
+
+def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
+    """NUMA first touch: the launcher allocates the rows without touching a page; a worker's
+    reducer touches its own row, and only that, so the kernel puts the row on the node of the
+    worker's cores. Pages resident in this process, by node, from /proc/self/numa_maps."""
+    from sn_trainer.engine.comm import ShmBuffers, ShmReducer
+    from sn_trainer.engine.layout import Shard
+    numel = 1 << 20  # 4 MiB of float32 a row: 1024 pages
+    buffers = ShmBuffers.allocate(2, numel, torch.float32)
+    assert sum(resident_pages_by_node(buffers.grad_rows).values()) == 0  # untouched by the launcher
+    ShmReducer(buffers, rank=1, world_size=2, shard=Shard(numel // 2, numel, numel // 2))
+    row_pages = numel * 4 // resource.getpagesize()
+    assert sum(resident_pages_by_node(buffers.grad_rows).values()) == row_pages  # its own row, no other
+    assert torch.count_nonzero(buffers.grad_rows) == 0  # and every row reads as zeros
+
+
+def test_numa_maps_lines_are_read_by_node(tmp_path):
+    tensor = torch.zeros(4)
+    address = tensor.data_ptr()
+    maps = tmp_path / "numa_maps"
+    maps.write_text(f"{address - 4096:x} default file=/dev/shm/x dirty=5 mapped=7 N0=3 N1=4 kernelpagesize_kB=4\n"
+                    f"{address + (1 << 40):x} default anon=1 N0=1 kernelpagesize_kB=4\n")
+    assert resident_pages_by_node(tensor, str(maps)) == {0: 3, 1: 4}

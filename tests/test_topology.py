@@ -46,6 +46,10 @@ def test_two_sockets_with_smt(tmp_path):
     assert auto_workers(topo, threads=3) == 2
     # One logical CPU per physical core; a worker's cores stay on one socket when they can.
     assert plan_pinning(topo, workers=4, threads=2) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # One worker per core: workers 0-3 on node 0's cores, 4-7 on node 1's; each first touches its
+    # own gradient row (test_shared_memory.py), which the kernel then places on that worker's node.
+    node_of = {cpu: core.numa_node for core in topo.cores for cpu in core.cpus}
+    assert [node_of[cpus[0]] for cpus in plan_pinning(topo, workers=8, threads=1)] == [0] * 4 + [1] * 4
 
 
 def test_two_sockets_without_smt(tmp_path):

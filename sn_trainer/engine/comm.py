@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import FlatLayout, Shard
+from .shared import untouched_shared
 
 # Spinning is the fastest wait while every worker has a core; past this many polls the waiter
 # yields its core, so that oversubscribed runs (workers > cores) still progress.
@@ -74,7 +75,9 @@ class ShmBuffers:
 
     @classmethod
     def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype, scratch_width: int = 8) -> "ShmBuffers":
-        return cls(grad_rows=torch.zeros(world_size, padded_numel, dtype=dtype).share_memory_(),
+        """The gradient rows untouched: each worker touches its own row first (``ShmReducer``),
+        so that on a NUMA machine its row lies on the worker's node."""
+        return cls(grad_rows=untouched_shared((world_size, padded_numel), dtype),
                    arrivals=torch.zeros(world_size, dtype=torch.int64).share_memory_(),
                    scratch=torch.zeros(2, world_size, max(8, scratch_width), dtype=torch.float64).share_memory_())
 
@@ -245,6 +248,7 @@ class ShmReducer:
     def __init__(self, buffers: ShmBuffers, rank: int, world_size: int, shard: Shard):
         self.rank, self.world_size, self.shard = rank, world_size, shard
         self.grad_flat = buffers.grad_rows[rank]
+        self.grad_flat.zero_()  # this worker touches its row first: its pages go on this worker's node
         self._columns = buffers.grad_rows[:, shard.start : shard.stop]
         self.shard_grad = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
         self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us

@@ -1,5 +1,8 @@
-"""Parameters held once in shared memory for a run, and given back as private memory after it."""
+"""Parameters held once in shared memory for a run, and given back as private memory after it;
+shared memory that no process has touched yet, and where a tensor's pages lie."""
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -115,3 +118,31 @@ class ReplicaBuffers:
                 _, _, shared, own = self.links[index]
                 own.copy_(shared)
         self._seen()
+
+
+def untouched_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in shared memory whose pages no process has touched yet.
+
+    The kernel places a page on the NUMA node of the first process to touch it; a worker that
+    first writes its own part (pinned to its node's cores) has it on its own node. ``torch.zeros``
+    then ``share_memory_`` would touch every page in the launcher, on the launcher's node.
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def resident_pages_by_node(tensor: torch.Tensor, numa_maps: str = "/proc/self/numa_maps") -> dict[int, int]:
+    """How many pages of the mapping that holds ``tensor`` are resident in this process, by NUMA
+    node (``N<node>=<pages>`` in /proc/self/numa_maps); empty where none is."""
+    address, found = tensor.data_ptr(), None
+    with open(numa_maps) as lines:
+        for line in lines:
+            start = int(line.split(" ", 1)[0], 16)
+            if start <= address and (found is None or start > found[0]):
+                found = (start, line)
+    if found is None:
+        return {}
+    return {int(node): int(pages) for node, pages in re.findall(r"\bN(\d+)=(\d+)", found[1])}
