@@ -459,6 +459,7 @@ class Trainer:
                 # torchrun restarted every node after a failure: all go on from the last checkpoint
                 # in the (shared) checkpoint directory.
                 resume_from = Path(cfg.checkpoint_dir) if CheckpointDir(cfg.checkpoint_dir).latest() else None
+        compiled = self._compile_for(model)
         facts = {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate, "seed": cfg.seed,
                  "drop_last": cfg.drop_last, "dataset_size": train.size}
         plan = Plan(placement=placement, batch_size=cfg.batch_size, accumulate=cfg.accumulate, seed=cfg.seed,
@@ -473,7 +474,7 @@ class Trainer:
                     checkpoint_every_steps=cfg.checkpoint_every_steps,
                     checkpoint_every_epochs=cfg.checkpoint_every_epochs, profile_dir=cfg.profile_dir,
                     profile_steps=cfg.profile_steps, worker_timeout=cfg.worker_timeout, prefetch=prefetch,
-                    compile=self._compile_for(model),
+                    compile=compiled,
                     data=train.kind)
         return _Run(model=model, train=train, eval_set=eval_set, eval_collate_fn=eval_collate_fn, objective=objective, phases=job_phases,
                     layout=layout, rehearsal=rehearsal, first_plan=plan,
@@ -537,7 +538,7 @@ class Trainer:
         if other is not None and other > OTHERS_WARNING_PERCENT:
             log.warning("other processes used %.0f%% of this machine's CPU during the measured steps: the speeds "
                         "measured mean little (measure on an idle machine)", other)
-        measured_from = max(cfg.measure_after, plan.start_step)
+        measured_from = plan.measure_from
         samples = plan.samples(measured_from, measured_from + lead.measured_steps)
         placement = plan.placement
         return FitResult(

@@ -41,6 +41,7 @@ def test_a_compiled_model_trains_and_evaluates_as_eager_plain_pytorch(compiled):
         model, data, eval_set=test, optimizer=SGD)
     assert result.plan["compile"] is compiled and model.compiled.item() == float(compiled)
     assert (result.compile_seconds is not None) is compiled
+    assert result.measured_steps == (5 if compiled else 6)  # the compiling first step is left out of samples/s
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
     with torch.no_grad():

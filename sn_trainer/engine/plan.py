@@ -87,6 +87,13 @@ class Plan:
         return total
 
     @property
+    def measure_from(self) -> int:
+        """The first step samples/s and phase seconds cover: after the warm-up, and after the
+        first step of a launch (resumed or not) where that step compiles the model."""
+        compiling = self.compile and self.start_step + 1 < self.total_steps
+        return max(self.measure_after, self.start_step + (1 if compiling else 0))
+
+    @property
     def per_worker_batch(self) -> float:
         return self.batch_size / self.placement.global_workers
 

@@ -401,7 +401,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     def beat(phase: str) -> None:
         job.heartbeats.beat(replica.rank, step, phase)
 
-    measure_from = max(plan.measure_after, plan.start_step)
+    measure_from = plan.measure_from
     timer = PhaseTimer(beat)
     profiler = Profiler(plan.profile_dir, measure_from, plan.profile_steps, replica.rank)
     eval_seconds, eval_metrics, loss, cpu_percent = 0.0, {}, float("nan"), []
