@@ -109,12 +109,6 @@ class Plan:
         due = done % self.eval_every == 0 if self.eval_every else done % self.steps_per_epoch == 0
         return due or done == self.total_steps
 
-    def evaluated_samples(self, dataset_size: int) -> int:
-        """How many of an evaluation set's first samples an evaluation covers."""
-        if self.max_eval_batches is None:
-            return dataset_size
-        return min(dataset_size, self.max_eval_batches * self.eval_batch_size)
-
     def checkpoint_due(self, done: int) -> bool:
         end_of_epoch = done % self.steps_per_epoch == 0
         if self.checkpoint_every_steps and done % self.checkpoint_every_steps == 0:
