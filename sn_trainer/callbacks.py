@@ -70,30 +70,38 @@ class Callbacks:
             self.call("on_checkpoint_part", trainer, rank, event)
 
 
-class History(Callback):
+class Records(Callback):
+    """A callback that takes every progress and evaluation record as a plain dict, in ``write``
+    (what metrics.csv, TensorBoard, MLflow, history and on_log all want)."""
+
+    def on_step_end(self, trainer, record: Progress) -> None:
+        self.write(record.record())
+
+    def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
+        self.write(evaluation.record())
+
+    def write(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class History(Records):
     """Every record, as plain dicts, for ``FitResult.history``."""
 
     def __init__(self):
         self.records: list[dict[str, Any]] = []
 
-    def on_step_end(self, trainer, record: Progress) -> None:
-        self.records.append(record.record())
-
-    def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
-        self.records.append(evaluation.record())
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
 
 
-class OnLog(Callback):
+class OnLog(Records):
     """``fit(on_log=f)``: ``f(record)`` with each record as a plain dict, as it arrives."""
 
     def __init__(self, function: Callable[[dict[str, Any]], None]):
         self.function = function
 
-    def on_step_end(self, trainer, record: Progress) -> None:
-        self.function(record.record())
-
-    def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
-        self.function(evaluation.record())
+    def write(self, record: dict[str, Any]) -> None:
+        self.function(record)
 
 
 def in_notebook() -> bool:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..callbacks import Callback
+from ..callbacks import Records
 
 log = logging.getLogger("sn_trainer")
 
@@ -16,7 +16,7 @@ COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_sec", "eval_loss", "eval_
            "eval_ema_accuracy")
 
 
-class ProgressLog(Callback):
+class ProgressLog(Records):
     """A callback: the progress and evaluations worker 0 sends, as they arrive, in the launching process."""
 
     def __init__(self, out_dir: str | Path, total_steps: int, show_bar: bool | None = None):
@@ -32,12 +32,6 @@ class ProgressLog(Callback):
             width = shutil.get_terminal_size((100, 24)).columns
             self._bar = tqdm(total=total_steps, unit="step", ncols=width)
         self._step = 0
-
-    def on_step_end(self, trainer, record) -> None:
-        self.write(record.record())
-
-    def on_eval_end(self, trainer, evaluation) -> None:
-        self.write(evaluation.record())
 
     def write(self, record: dict[str, Any]) -> None:
         self._csv.writerow(record)

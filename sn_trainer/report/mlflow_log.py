@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..callbacks import Callback
+from ..callbacks import Records
 
 TRAINING = ("loss", "lr", "samples_per_sec")
 FLUSH_SECONDS = 10.0  # metrics wait at most this long in memory: each write to the store costs milliseconds of CPU
@@ -38,7 +38,7 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-class MLflowLog(Callback):
+class MLflowLog(Records):
     """A callback: one MLflow run in ``experiment`` named ``run_name``, with ``params``."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any],
@@ -70,9 +70,6 @@ class MLflowLog(Callback):
             for first in range(0, len(self._pending), 1000):  # a batch holds at most 1000 metrics
                 self.client.log_batch(self.run_id, metrics=self._pending[first : first + 1000])
             self._pending, self._flushed = [], time.monotonic()
-
-    def on_step_end(self, trainer, record) -> None:
-        self.write(record.record())
 
     def on_eval_end(self, trainer, evaluation) -> None:
         self.write(evaluation.record(), flush=True)  # an evaluation is what a sweep's watcher waits for

@@ -10,13 +10,13 @@ from typing import Any
 
 import psutil
 
-from ..callbacks import Callback
+from ..callbacks import Records
 
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_sec": "speed/samples_per_sec",
            "tokens_per_sec": "speed/tokens_per_sec"}
 
 
-class TensorBoardLog(Callback):
+class TensorBoardLog(Records):
     """A callback: the progress and evaluations worker 0 sends, as events in ``out_dir``."""
 
     def __init__(self, out_dir: str | Path, tokens_per_sample: int | None = None):
@@ -25,12 +25,6 @@ class TensorBoardLog(Callback):
         self.writer = SummaryWriter(log_dir=str(out_dir))
         self.tokens_per_sample = tokens_per_sample
         psutil.cpu_percent(percpu=True)  # starts the first per-core interval
-
-    def on_step_end(self, trainer, record) -> None:
-        self.write(record.record())
-
-    def on_eval_end(self, trainer, evaluation) -> None:
-        self.write(evaluation.record())
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
