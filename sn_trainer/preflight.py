@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
 
 from . import loss_probe
 from .data.batching import in_layout
-from .data.source import Batching, IndexSource, StreamSource, eval_chunks
+from .data.source import Batching, IndexSource, StreamSource, eval_chunks, source_for
 from .engine import random_state
 from .engine.layout import trainable_parameters
 from .engine.objective import MEAN, Objective, Precision
@@ -87,9 +86,7 @@ def script(model: nn.Module, train: "IndexSource | StreamSource | None", train_s
             with random_state.kept() as moved:
                 batch = _attempt("reading a training batch", lambda: train.first(train_samples))
             draws = moved()
-        probed = train if train is not None else \
-            (StreamSource if isinstance(eval_set, IterableDataset) else IndexSource)(eval_set, Batching(1),
-                                                                                      eval_collate_fn)
+        probed = train if train is not None else source_for(eval_set, Batching(1), eval_collate_fn)
         group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
     return Script(model, batch, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
                   group, singles, draws)

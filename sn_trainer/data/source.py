@@ -261,6 +261,13 @@ class StreamSource:
             self._reader = None
 
 
+def source_for(dataset: Any, batching: Batching, collate_fn: Callable[[list], Any] | None = None
+               ) -> IndexSource | StreamSource:
+    """The source that reads ``dataset``: a stream for an IterableDataset, else by index."""
+    kind = StreamSource if isinstance(dataset, IterableDataset) else IndexSource
+    return kind(dataset, batching, collate_fn)
+
+
 def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callable[[list], Any] | None,
                 accepts: Callable[[Any], str | None]) -> IndexSource | StreamSource:
     """The source ``dataset`` is read through, once its first item is one the run can take.
@@ -276,11 +283,7 @@ def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callabl
         raise ConfigError(f"{name} is a DataLoader; pass its dataset and collate function, fit({name}=loader.dataset, "
                           "collate_fn=loader.collate_fn), and the batch size as Trainer(batch_size=...): sn_trainer "
                           "draws and splits every global batch itself")
-    if isinstance(dataset, IterableDataset):
-        source = StreamSource(dataset, batching, collate_fn)
-        if source.size == 0 or source.first_item() is None:
-            raise ConfigError(f"{name} is a stream that yields no items")
-    else:
+    if not isinstance(dataset, IterableDataset):
         try:
             size = len(dataset)
         except TypeError:
@@ -288,8 +291,11 @@ def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callabl
                               f"got {type(dataset).__name__}") from None
         if size == 0:
             raise ConfigError(f"{name} is empty")
-        source = IndexSource(dataset, batching, collate_fn)
-    why = accepts(source.first_item())
+    source = source_for(dataset, batching, collate_fn)
+    first = source.first_item()
+    if source.kind == "stream" and (source.size == 0 or first is None):
+        raise ConfigError(f"{name} is a stream that yields no items")
+    why = accepts(first)
     if why is not None:
         raise ConfigError(f"{name}[0] {why}")
     return source
