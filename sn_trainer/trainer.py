@@ -220,13 +220,18 @@ class Trainer:
                          openmp=runtime.openmp,
                          start_method=start_method, notes=tuple(notes))
 
+    def _tune_key(self, model: nn.Module) -> str:
+        """Where tuning caches its choice for this model at this batch, accumulation and precision."""
+        cfg = self.config
+        return tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision)
+
     def _place_for(self, model: nn.Module) -> Placement:
         """With workers or the runtime auto, what tuning cached for this model and batch, if anything."""
         cfg = self.config
         autos = [name for name in ("workers", "allocator", "openmp") if getattr(cfg, name) == "auto"]
         if not autos or self.cluster is not None:
             return self.placement
-        entry = tune.load(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision))
+        entry = tune.load(self._tune_key(model))
         if entry is None:
             return self._place() if autos != ["workers"] else self.placement
         log.info("%s: the tuned setting measured %s (%.0f samples/s): %d workers x %d threads, %s (%s)",
@@ -284,7 +289,7 @@ class Trainer:
                                  runtimes={str(r): speed for r, speed in by_runtime.items()},
                                  compile_rates=compiled)
         if cache:
-            path = tune.store(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision), result)
+            path = tune.store(self._tune_key(model), result)
             log.info("tune: cached in %s for workers=auto", path)
         return result
 
@@ -663,7 +668,7 @@ class Trainer:
         cfg = self.config
         if cfg.compile != "auto":
             return cfg.compile
-        entry = tune.load(tune.cache_key(model, cfg.batch_size, cfg.accumulate, cfg.precision))
+        entry = tune.load(self._tune_key(model))
         rates = (entry or {}).get("compile_rates") or {}
         if not rates:
             log.info("compile=auto: eager, as tuning measured no compiled run of this model and batch "
