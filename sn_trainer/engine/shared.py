@@ -2,6 +2,7 @@
 shared memory that no process has touched yet, and where a tensor's pages lie."""
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -127,10 +128,7 @@ def untouched_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     first writes its own part (pinned to its node's cores) has it on its own node. ``torch.zeros``
     then ``share_memory_`` would touch every page in the launcher, on the launcher's node.
     """
-    numel = 1
-    for size in shape:
-        numel *= size
-    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
