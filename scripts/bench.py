@@ -41,13 +41,13 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
-from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps
+from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps, default_runtime
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
-from sn_trainer.report.machine import bf16_supported, describe_machine
-from sn_trainer.report.memory import pss_bytes
+from sn_trainer.engine.machine import bf16_supported, describe_machine
+from sn_trainer.engine.memory import pss_bytes
 from sn_trainer.report.results import write_result
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
@@ -315,7 +315,7 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
         with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
             seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
         return case.batch * timing.steps / seconds
-    runtime = runtime_of(variant) if variant not in ("sn_sync", "sn_1worker") else Runtime()
+    runtime = runtime_of(variant) if variant not in ("sn_sync", "sn_1worker") else default_runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
                      sync_batchnorm=variant == "sn_sync", allocator=runtime.allocator, openmp=runtime.openmp,

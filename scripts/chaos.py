@@ -239,7 +239,7 @@ def main() -> None:
         from sn_trainer.engine.forkserver import leave
 
         leave(job(args.job, args.trigger))
-    from sn_trainer.report.machine import describe_machine
+    from sn_trainer.engine.machine import describe_machine
     from sn_trainer.report.results import write_result
 
     kinds = args.kinds.split(",")

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from sn_trainer import Trainer
-from sn_trainer.config import DatasetConfig
-from sn_trainer.data.datasets import load_datasets
-from sn_trainer.engine.worker import PHASES
+from sn_trainer.cli.config import DatasetConfig
+from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.engine.stages import STEP_STAGES
 from sn_trainer.models import build_model
-from sn_trainer.report.machine import describe_machine
+from sn_trainer.engine.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 SETS = {"32x32": (32, 20_000, 200, 40), "224x224": (224, 2_000, 32, 12)}  # size, images, batch, measured steps
@@ -76,7 +76,7 @@ def train(data, size: int, batch: int, steps: int, workers: int, prefetch: bool)
                      prefetch=prefetch, log_every=10**9).fit(
         model, data.train, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9))
     return {"samples_per_sec": result.samples_per_sec, "prefetch": result.plan["prefetch"],
-            "phase_ms": {p: 1000 * result.phase_seconds[p] / result.measured_steps for p in PHASES}}
+            "stage_ms": {s: 1000 * result.stage_seconds[s] / result.measured_steps for s in STEP_STAGES}}
 
 
 def main() -> None:
@@ -102,19 +102,19 @@ def main() -> None:
         costs = {"preloaded": read_cost(variants["preloaded"][0].train),
                  "files": read_cost(variants["files, inline"][0].train)}
         median = {v: statistics.median(r["samples_per_sec"] for r in rs) for v, rs in runs.items()}
-        phases = {v: {p: statistics.median(r["phase_ms"][p] for r in rs) for p in PHASES} for v, rs in runs.items()}
+        stages = {v: {s: statistics.median(r["stage_ms"][s] for r in rs) for s in STEP_STAGES} for v, rs in runs.items()}
         report[name] = {"images": count, "batch_size": batch, "measured_steps": steps, "runs": runs,
-                        "median_samples_per_sec": median, "median_phase_ms": phases, "read_us_per_sample": costs,
+                        "median_samples_per_sec": median, "median_stage_ms": stages, "read_us_per_sample": costs,
                         "files_inline_over_preloaded": median["files, inline"] / median["preloaded"],
                         "files_ahead_over_preloaded": median["files, read ahead"] / median["preloaded"]}
         lines += [f"## {count:,} JPEG files at {name}, cifar10_quick, batch {batch}", "",
-                  "| variant | samples/s | / preloaded | " + " | ".join(f"{p} ms" for p in PHASES) + " |",
-                  "|---|---:|---:|" + "---:|" * len(PHASES)]
+                  "| variant | samples/s | / preloaded | " + " | ".join(f"{s} ms" for s in STEP_STAGES) + " |",
+                  "|---|---:|---:|" + "---:|" * len(STEP_STAGES)]
         for variant in variants:
             spread = [r["samples_per_sec"] for r in runs[variant]]
             lines.append(f"| {variant} | {median[variant]:.0f} [{min(spread):.0f}-{max(spread):.0f}] | "
                          f"{median[variant] / median['preloaded']:.3f} | "
-                         + " | ".join(f"{phases[variant][p]:.1f}" for p in PHASES) + " |")
+                         + " | ".join(f"{stages[variant][s]:.1f}" for s in STEP_STAGES) + " |")
         lines += ["", f"Reading one sample alone (one process, one thread): preloaded {costs['preloaded']:.0f} µs, "
                       f"from its file {costs['files']:.0f} µs (open, decode, crop and flip, normalise).", ""]
     machine = describe_machine()
@@ -122,7 +122,7 @@ def main() -> None:
             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores "
             f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python scripts/folder_bench.py --rounds "
             f"{args.rounds}`: {args.workers} workers x 1 thread, {WARMUP} warm-up steps, {args.rounds} alternating "
-            "rounds, medians [min-max]; phase columns: milliseconds per step in each phase, averaged over the "
+            "rounds, medians [min-max]; stage columns: milliseconds per step in each stage, averaged over the "
             "workers (`data`: waiting for this step's slice).", ""]
     write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "sets": report,
                             "command": f"python scripts/folder_bench.py --rounds {args.rounds}"},

@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 PANELS = [("loss", ["train/loss", "eval/loss"]), ("learning rate", ["train/lr"]),
           ("speed", ["speed/tokens_per_sec", "speed/samples_per_sec"]),
-          ("milliseconds per step, by phase", ["phase_ms/data", "phase_ms/forward", "phase_ms/backward",
-                                               "phase_ms/reduce", "phase_ms/update", "phase_ms/wait"]),
+          ("milliseconds per step, by stage", ["stage_ms/data", "stage_ms/forward", "stage_ms/backward",
+                                               "stage_ms/reduce", "stage_ms/update", "stage_ms/wait"]),
           ("CPU use per core (%)", ["cpu_percent/"])]  # a trailing "/": every tag under it
 
 

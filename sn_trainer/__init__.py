@@ -7,13 +7,14 @@ on first use.
 from .errors import (CheckpointError, ConfigError, DataError, InputError, TrainingDiverged, TrainingInterrupted,
                      UserCodeError, WorkerFailed)
 
-__all__ = ["BestCheckpoint", "Callback", "CheckpointError", "Cluster", "ConfigError", "DataError", "EarlyStopping",
-           "FitResult", "InputError", "Phase", "Trainer", "TrainingDiverged", "TrainingInterrupted", "UserCodeError",
-           "WorkerFailed", "warm_up"]
-__version__ = "0.2.0"
+__all__ = ["BestCheckpoint", "Callback", "CheckpointConfig", "CheckpointError", "Cluster", "ConfigError", "DataError",
+           "EarlyStopping", "FitResult", "InputError", "Phase", "Trainer", "TrainerConfig", "TrainingDiverged",
+           "TrainingInterrupted", "UserCodeError", "WorkerFailed", "warm_up"]
+__version__ = "0.3.0"
 
-_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "Cluster": ".engine.cluster", "Callback": ".callbacks",
-         "EarlyStopping": ".callbacks", "BestCheckpoint": ".callbacks", "Phase": ".phase"}
+_LAZY = {"Trainer": ".trainer", "FitResult": ".fit.result", "TrainerConfig": ".config", "CheckpointConfig": ".config",
+         "Cluster": ".engine.cluster", "Callback": ".callbacks", "EarlyStopping": ".callbacks",
+         "BestCheckpoint": ".callbacks", "Phase": ".phase"}
 
 
 def __getattr__(name: str):
@@ -26,12 +27,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def warm_up(allocator: str = "system", openmp: str = "gnu") -> None:
+def warm_up(allocator: str | None = None, openmp: str | None = None) -> None:
     """Start the warm workers' fork server now: call it first thing in a script (under ``if
     __name__ == "__main__":``), before importing torch, and the server imports torch while the
     script does. A Trainer starts it otherwise, when it is made. Its workers run with
-    ``allocator`` and ``openmp`` (a Trainer that asks for others spawns its workers cold)."""
+    ``allocator`` and ``openmp`` (default: the settings' defaults; a Trainer that asks for others
+    spawns its workers cold)."""
     from .engine import forkserver
-    from .engine.runtime import Runtime
+    from .engine.runtime import Runtime, default_runtime
 
-    forkserver.start(Runtime(allocator, openmp))
+    default = default_runtime()
+    forkserver.start(Runtime(allocator or default.allocator, openmp or default.openmp))

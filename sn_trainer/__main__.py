@@ -9,20 +9,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import RunConfig, help_text
+from .cli.config import RunConfig, help_text
 from .engine import forkserver
 from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
-    from .run import run  # after Hydra parsed the command line: `--help` stays fast
+    from .cli.job import run_job  # after Hydra parsed the command line: `--help` stays fast
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         hydra_cfg = HydraConfig.get()
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
-        summary = run(RunConfig.from_dict(resolved), hydra_cfg.runtime.output_dir, resolved,
+        summary = run_job(RunConfig.from_dict(resolved), hydra_cfg.runtime.output_dir, resolved,
                       sweep_dir=hydra_cfg.sweep.dir if multirun else None,
                       run_name=(hydra_cfg.job.override_dirname or f"job {hydra_cfg.job.num}") if multirun else None)
     except InputError as exc:

@@ -36,8 +36,8 @@ class Callback:
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
         """An evaluation (after each epoch, or every ``eval_every`` steps, and after the last)."""
 
-    def on_checkpoint_part(self, trainer, rank: int, part: CheckpointPart) -> None:
-        """Worker ``rank``'s share of a checkpoint (the run's checkpoint writer gathers them)."""
+    def on_checkpoint_part(self, trainer, part: CheckpointPart) -> None:
+        """A worker's share of a checkpoint (``part.rank``; the run's checkpoint writer gathers them)."""
 
     def on_checkpoint(self, trainer, path: Path) -> None:
         """A checkpoint was written to ``path``."""
@@ -60,14 +60,9 @@ class Callbacks:
         for callback in self.callbacks:
             getattr(callback, hook)(*args)
 
-    def event(self, trainer, rank: int, event: Any) -> None:
-        """Hand a worker's event to the hook it is for."""
-        if isinstance(event, Progress):
-            self.call("on_step_end", trainer, event)
-        elif isinstance(event, Evaluation):
-            self.call("on_eval_end", trainer, event)
-        elif isinstance(event, CheckpointPart):
-            self.call("on_checkpoint_part", trainer, rank, event)
+    def event(self, trainer, event: Any) -> None:
+        """Hand a worker's event to the hook it names (``event.hook``)."""
+        self.call(type(event).hook, trainer, event)
 
 
 class Records(Callback):
@@ -199,7 +194,7 @@ class BestCheckpoint(Callback):
         self._wanted: int | None = None
 
     def on_fit_start(self, trainer, plan) -> None:
-        if not trainer.config.checkpoint_dir:
+        if not trainer.config.checkpoint.dir:
             raise ConfigError("BestCheckpoint needs checkpoints: set checkpoint_dir")
 
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:

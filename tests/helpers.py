@@ -212,11 +212,11 @@ def live_children() -> list[psutil.Process]:
 
 def probe_replica(spec, send):
     """A worker target that inspects its replica instead of training (see test_shared_memory)."""
-    from sn_trainer.engine.worker import Replica
+    from sn_trainer.engine.replica import Replica
 
     replica = Replica(spec)
     params = list(replica.model.parameters())
-    flat_pointer = spec.job.flat.untyped_storage().data_ptr()
+    flat_pointer = spec.launch.flat.untyped_storage().data_ptr()
     report = {
         "storages": sorted({p.untyped_storage().data_ptr() for p in params}) == [flat_pointer],
         "all_shared": all(p.is_shared() for p in params),

@@ -44,8 +44,8 @@ def test_the_best_launch_table_picks_each_variants_fastest_launch():
 def test_runtime_launches_are_named_and_run():
     from sn_trainer.engine.runtime import Runtime
 
-    assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime()
-    assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc")
+    assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime("system", "gnu")
+    assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc", "gnu")
     assert bench.runtime_of("sn_jemalloc_intel") == Runtime("jemalloc", "intel")
     variants = bench.variants_of(bench.Case("lenet", 64, "fp32", True), runtimes=True)
     assert {"plain_cpu", "ddp_cpu", "ideal_tcmalloc_intel", "sn_tcmalloc_intel", "sn_system_intel"} <= set(variants)

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from helpers import EXACT, SmallConvNet, cross_entropy, plain_fit, tiny_dataset
-from sn_trainer import Trainer, tune
+from sn_trainer import Trainer, tuner
+from sn_trainer.engine.runtime import Runtime
+from sn_trainer.fit import decide
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,9 +57,9 @@ def test_compile_auto_follows_what_tuning_measured(tmp_path, monkeypatch, caplog
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = SmallConvNet()
     trainer = Trainer(workers=1, batch_size=8, max_steps=1, compile="auto")
-    result = tune.TuneResult(1, 1, "system", 100.0, [], tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0,
+    result = tuner.TuneResult(1, 1, Runtime("system", "gnu"), 100.0, [], tuner.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0,
                              compile_rates=rates)
-    tune.store(tune.cache_key(model, 8, 1, "fp32"), result)
-    with caplog.at_level(logging.INFO, logger="sn_trainer.trainer"):
-        assert trainer._compile_for(model) is chosen
+    tuner.store(tuner.cache_key(model, 8, 1, "fp32"), result)
+    with caplog.at_level(logging.INFO, logger="sn_trainer"):
+        assert decide.for_model(trainer.settings, model).compile is chosen
     assert ("compile=auto: compiled" if chosen else "compile=auto: eager") in caplog.text

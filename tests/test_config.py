@@ -1,9 +1,9 @@
 """Every config error names the setting and says what would be right."""
 import pytest
 
-from sn_trainer.config import ConfigError, RunConfig
-from sn_trainer.optim import LRSchedule, build_optimizer, effective_lr
-from sn_trainer.config import OptimConfig
+from sn_trainer.cli.config import ConfigError, RunConfig
+from sn_trainer.cli.optim import LRSchedule, build_optimizer, effective_lr
+from sn_trainer.cli.config import OptimConfig
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -40,7 +40,7 @@ def test_defaults_build():
 
 def test_channels_last_auto_follows_the_model():
     from sn_trainer.models import build_model
-    from sn_trainer.trainer import channels_last_helps
+    from sn_trainer.fit.decide import channels_last_helps
 
     assert channels_last_helps(build_model("lenet", (1, 28, 28), 10)) is True  # convolutions
     assert channels_last_helps(build_model("mlp", (1, 28, 28), 10)) is False  # none

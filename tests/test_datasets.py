@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from sn_trainer.config import DatasetConfig
+from sn_trainer.cli.config import DatasetConfig
 from sn_trainer.errors import ConfigError, DataError
-from sn_trainer.data import datasets
-from sn_trainer.data.datasets import load_datasets, random_crop_flip, read_idx
+from sn_trainer.cli import datasets
+from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.data.datasets import random_crop_flip, read_idx
 
 
 def write_idx(path, array, compress=True):

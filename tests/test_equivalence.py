@@ -102,7 +102,7 @@ def test_float32_stays_within_float32s_own_rounding(workers, optimizer):
 
 
 def test_bf16_trains_close_to_fp32():
-    from sn_trainer.report.machine import bf16_supported
+    from sn_trainer.engine.machine import bf16_supported
 
     model, reference, result = fit_both(2, 12, OPTIMIZERS["sgd"], precision="bf16", channels_last=True,
                                         dtype=torch.float32)
@@ -115,9 +115,9 @@ def test_bf16_trains_close_to_fp32():
 
 def test_what_ran_is_reported_with_its_fallback(monkeypatch):
     """bf16 asked for on a CPU without it: fp32 runs, and FitResult (hence summary.json) says so."""
-    import sn_trainer.trainer
+    import sn_trainer.fit.decide
 
-    monkeypatch.setattr(sn_trainer.trainer, "bf16_supported", lambda: False)
+    monkeypatch.setattr(sn_trainer.fit.decide, "bf16_supported", lambda: False)
     torch.manual_seed(0)
     result = Trainer(workers=2, batch_size=8, max_steps=2, precision="bf16").fit(
         SmallConvNet(), tiny_dataset(), optimizer=OPTIMIZERS["sgd"])
@@ -149,7 +149,7 @@ def test_fit_reports_eval_metrics_loss_and_phases():
     assert result.steps == 2 * (84 // 12)
     assert result.eval_accuracy is not None and 0.0 <= result.eval_accuracy <= 1.0
     assert result.final_loss > 0 and result.samples_per_sec > 0 and result.per_worker_batch == 6.0
-    assert set(result.phase_seconds) == {"data", "forward", "backward", "reduce", "update", "wait"}
-    assert all(v >= 0 for v in result.phase_seconds.values()) and result.phase_seconds["forward"] > 0
+    assert set(result.stage_seconds) == {"data", "forward", "backward", "reduce", "update", "wait"}
+    assert all(v >= 0 for v in result.stage_seconds.values()) and result.stage_seconds["forward"] > 0
     epochs_evaluated = [r["epoch"] for r in result.history if "eval_loss" in r]
     assert epochs_evaluated == [1.0, 2.0]

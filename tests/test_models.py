@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sn_trainer.config import ConfigError
+from sn_trainer.errors import ConfigError
 from sn_trainer.models import build_model
 
 

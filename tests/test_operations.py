@@ -124,7 +124,7 @@ def test_a_stopped_worker_is_named_not_the_peers_waiting_in_batch_norm(comm, no_
         Trainer(workers=2, batch_size=8, max_steps=100, comm=comm, sync_batchnorm=True, worker_timeout=5).fit(
             model, data, optimizer=SGD)
     message = str(caught.value)
-    assert message.startswith("worker 1 failed: made no progress for") and "phase forward" in message, message
+    assert message.startswith("worker 1 failed: made no progress for") and "stage forward" in message, message
 
 
 @pytest.mark.parametrize("comm", ["shm", "gloo"])
@@ -136,7 +136,7 @@ def test_a_stopped_worker_ends_the_run_naming_it(comm, no_leaks):
                                                                                            optimizer=SGD)
     assert time.monotonic() - started < 30
     message = str(caught.value)
-    assert message.startswith("worker 1 failed: made no progress for") and "phase forward" in message, message
+    assert message.startswith("worker 1 failed: made no progress for") and "stage forward" in message, message
     assert "in step 4" in message
 
 

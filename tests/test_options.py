@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sn_trainer
-from sn_trainer.config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
+from sn_trainer.cli.config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = Path(sn_trainer.__file__).with_name("conf")  # the copy shipped inside the package
@@ -57,7 +57,7 @@ def test_every_group_option_sets_known_keys_only():
 def test_the_readme_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
     assert options_markdown() in readme, "README's options table is stale: paste the output of " \
-                                         "python -c 'from sn_trainer.config import options_markdown; print(options_markdown())'"
+                                         "python -c 'from sn_trainer.cli.config import options_markdown; print(options_markdown())'"
 
 
 def test_help_explains_every_key_with_its_default(tmp_path):

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from helpers import EXACT, SmallConvNet, plain_loader, tiny_dataset
 from sn_trainer import Trainer
-from sn_trainer.config import DatasetConfig
-from sn_trainer.data.datasets import load_datasets
+from sn_trainer.cli.config import DatasetConfig
+from sn_trainer.cli.datasets import load_datasets
 from sn_trainer.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)
@@ -95,7 +95,7 @@ class FlipsWithTheGlobalGenerator(Dataset):
 
 def test_data_that_draws_global_random_numbers_is_not_read_ahead(caplog):
     torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="sn_trainer.trainer"):
+    with caplog.at_level(logging.INFO, logger="sn_trainer"):
         result = Trainer(workers=2, batch_size=8, max_steps=2).fit(SmallConvNet(), FlipsWithTheGlobalGenerator(),
                                                                    optimizer=SGD)
     assert result.plan["prefetch"] is False

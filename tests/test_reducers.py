@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from sn_trainer.engine.comm import GlooReducer
+from sn_trainer.engine.comm import GlooReducer, ReducerSetup
 from sn_trainer.engine.layout import FlatLayout
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,7 +17,9 @@ def three_layers():
 def watched(tmp_path, holder: nn.Module) -> GlooReducer:
     """A reducer in a world of one (the sum is the gradient itself), one layer per bucket."""
     layout = FlatLayout(holder, world_size=1)
-    reducer = GlooReducer(str(tmp_path / "store"), 0, 1, layout.shards[0], layout.numel, torch.float32)
+    reducer = GlooReducer(ReducerSetup(rank=0, world_size=1, shard=layout.shards[0], padded_numel=layout.numel,
+                                       dtype=torch.float32, store_path=str(tmp_path / "store"), mode="all_reduce",
+                                       timeout_s=300.0))
     layout.attach_gradients(holder, reducer.grad_flat)
     reducer.watch(layout.parameters(holder), layout, backward_passes=1, bucket_bytes=256)
     return reducer

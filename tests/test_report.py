@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 pytestmark = pytest.mark.timeout(400)
-PNGS = ("speed_vs_workers.png", "speed_vs_batch.png", "heatmap.png", "efficiency.png", "phases.png")
+PNGS = ("speed_vs_workers.png", "speed_vs_batch.png", "heatmap.png", "efficiency.png", "stages.png")
 
 
 def run_module(module, args, cwd):

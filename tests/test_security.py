@@ -14,8 +14,8 @@ from torch import nn
 from helpers import SmallConvNet, tiny_dataset
 from sn_trainer import CheckpointError, DataError, Trainer
 from sn_trainer import checkpoint
-from sn_trainer.config import DatasetConfig
-from sn_trainer.data.datasets import load_datasets
+from sn_trainer.cli.config import DatasetConfig
+from sn_trainer.cli.datasets import load_datasets
 
 pytestmark = pytest.mark.timeout(240)
 

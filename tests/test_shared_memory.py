@@ -7,12 +7,15 @@ import torch
 
 from helpers import SmallConvNet, probe_replica, tiny_dataset
 from sn_trainer import Trainer
-from sn_trainer.data.source import Batching, IndexSource
+from sn_trainer.data.source import IndexSource
 from sn_trainer.engine.layout import FlatLayout
 from sn_trainer.engine.objective import Objective
+from sn_trainer.engine.phases import PhaseSpec
 from sn_trainer.engine.plan import Plan
 from sn_trainer.engine.shared import SharedParams, resident_pages_by_node
-from sn_trainer.engine.phases import JobPhase
+from sn_trainer.fit.preflight import Findings
+from sn_trainer.fit.resolve import Run
+from sn_trainer.fit.session import launch_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,12 +26,15 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
     numel = sum(p.numel() for p in model.parameters())
     trainer = Trainer(workers=2, threads=1, batch_size=8, max_steps=1)
     layout = FlatLayout(model, world_size=2)
-    plan = Plan(placement=trainer.placement, batch_size=8, accumulate=1, seed=0, drop_last=True, dataset_size=84,
-                steps_per_epoch=10, total_steps=1)
+    plan = Plan(settings=trainer.settings, placement=trainer.placement, dataset_size=84, steps_per_epoch=10,
+                total_steps=1, start_step=0, loss_form="mean", phase_forms=(), evaluates=False, evaluate_only=False,
+                checkpointing=False)
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    phases = [JobPhase("train", Objective(), sgd, None, (0,) * len(layout.slots))]
-    reports, _, _ = trainer._run(model, layout, IndexSource(tiny_dataset(), Batching(8)), None, Objective(), phases, plan, None, None,
-                                 target=probe_replica)
+    phases = [PhaseSpec("train", Objective(), sgd, None, (0,) * len(layout.slots))]
+    run = Run(model=model, train=IndexSource(tiny_dataset(), trainer.settings), evaluation=None, objective=Objective(),
+              phases=phases, layout=layout, findings=Findings((), ()), first_plan=plan, checkpoints=None,
+              resume_from=None, sample_order={}, run_config=None, initial_state={})
+    reports, _, _ = launch_workers(run, plan, trainer._stop, None, target=probe_replica)
     assert all(r["storages"] and r["all_shared"] for r in reports)
     assert [r["seen"] for r in reports] == [42.0, 42.0]
     # Optimizer state: one momentum buffer per shard, adding up to the parameters, once.
@@ -83,12 +89,13 @@ def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
     """NUMA first touch: the launcher allocates the rows without touching a page; a worker's
     reducer touches its own row, and only that, so the kernel puts the row on the node of the
     worker's cores. Pages resident in this process, by node, from /proc/self/numa_maps."""
-    from sn_trainer.engine.comm import ShmBuffers, ShmReducer
+    from sn_trainer.engine.comm import ReducerSetup, ShmBuffers, ShmReducer
     from sn_trainer.engine.layout import Shard
     numel = 1 << 20  # 4 MiB of float32 a row: 1024 pages
     buffers = ShmBuffers.allocate(2, numel, torch.float32)
     assert sum(resident_pages_by_node(buffers.grad_rows).values()) == 0  # untouched by the launcher
-    ShmReducer(buffers, rank=1, world_size=2, shard=Shard(numel // 2, numel, numel // 2))
+    ShmReducer(ReducerSetup(rank=1, world_size=2, shard=Shard(numel // 2, numel, numel // 2), padded_numel=numel,
+                            dtype=torch.float32, store_path="", mode="all_reduce", timeout_s=60.0, shared=buffers))
     row_pages = numel * 4 // resource.getpagesize()
     assert sum(resident_pages_by_node(buffers.grad_rows).values()) == row_pages  # its own row, no other
     assert torch.count_nonzero(buffers.grad_rows) == 0  # and every row reads as zeros

@@ -16,7 +16,8 @@ from torch.utils.data._utils.collate import default_collate
 from helpers import SmallConvNet, assert_exact, cross_entropy, tiny_dataset
 from sn_trainer import Trainer, checkpoint
 from sn_trainer.checkpoint import CheckpointDir
-from sn_trainer.data.source import Batching, StreamSource
+from sn_trainer.config import TrainerConfig
+from sn_trainer.data.source import StreamSource
 from sn_trainer.errors import DataError, WorkerFailed
 
 pytestmark = pytest.mark.timeout(240)
@@ -231,7 +232,7 @@ def test_each_worker_reads_a_copy_of_the_stream_of_its_own():
     """A worker's passes must not move another's: each source reads its own copy of the stream,
     and the stream it was given (whose state other workers may share) is left as it was."""
     stream = SharedEpoch(sized=False)
-    ahead, behind = StreamSource(stream, Batching(6)), StreamSource(stream, Batching(6))
+    ahead, behind = StreamSource(stream, TrainerConfig(batch_size=6)), StreamSource(stream, TrainerConfig(batch_size=6))
     ahead.micro_slice(4, 0, 0, 1)  # items 24-29: into pass 1
     assert stream.epoch == 0
     first, _ = behind.micro_slice(0, 0, 0, 1)  # pass 0's first batch, in pass 0's order

@@ -1,10 +1,34 @@
-"""The house's arrows point one way: the engine knows no file format and no reporting."""
+"""The house's arrows point one way, and every setting is declared once.
+
+Layers, lowest first; a module imports its own layer and lower ones only, and no import chain
+runs in a circle (lazy imports inside functions and TYPE_CHECKING ones count):
+"""
 import ast
 from pathlib import Path
 
+import pytest
+
 import sn_trainer
+from sn_trainer.config import setting_rows
 
 PACKAGE = Path(sn_trainer.__file__).parent
+
+# Lowest first. A package's __main__.py is a command line: the edge, whatever package it is in.
+LAYERS = {
+    "errors": 0, "config": 0,  # the vocabulary: what can go wrong, and every setting
+    "data": 1, "models": 1, "optim": 1, "phase": 1,  # the parts a run is made of
+    "engine": 2,  # the workers: reads a resolved plan, owns no file format and no reporting
+    "callbacks": 3, "checkpoint": 3, "export": 3, "tuner": 3,  # the launcher's components
+    "report": 4,  # writers the command line attaches (progress, TensorBoard, MLflow) and the sweep report
+    "fit": 5,  # one fit: resolve, session, result
+    "trainer": 6,  # the public API
+    "cli": 7, "__main__": 7, "__init__": 7,  # the command line, and the package's lazy names
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_modules(path: Path, package: str) -> set[str]:
@@ -14,13 +38,52 @@ def imported_modules(path: Path, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
+            base = from_module(node, package)
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}  # from .. import checkpoint
     return found
+
+
+def package_of(path: Path) -> str:
+    name = module_name(path)
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def layer(module: str) -> int | None:
+    """The layer of one of the package's modules (None: not one of ours, or the package itself)."""
+    parts = module.split(".")
+    if parts[0] != "sn_trainer" or len(parts) == 1:
+        return None
+    if parts[-1] == "__main__":
+        return LAYERS["__main__"]
+    return LAYERS[parts[1]]
+
+
+def own_imports() -> dict[str, set[str]]:
+    """Each of the package's modules and the package's modules it imports. ``from p import m`` of a
+    module ``m`` imports ``p.m``; of any other name, ``p``. (A package is initialised by any import
+    of its modules: that is no edge of its own.)"""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = from_module(node, package_of(path))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        graph[name] = {t for t in targets if t in files and t != "sn_trainer"}
+    return graph
+
+
+def from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parent + ([base] if base else []))
+    return base
 
 
 def test_imported_modules_resolves_relative_imports(tmp_path):
@@ -30,6 +93,54 @@ def test_imported_modules_resolves_relative_imports(tmp_path):
                                                                                            "sn_trainer.engine")
 
 
+def test_every_module_has_a_layer():
+    assert all(layer(name) is not None for name in own_imports() if name != "sn_trainer")
+
+
+def test_no_module_imports_a_higher_layer():
+    offenders = [f"{name} imports {target}" for name, targets in own_imports().items() if name != "sn_trainer"
+                 for target in sorted(targets) if layer(target) > layer(name)]
+    assert offenders == []
+
+
+def test_no_import_runs_in_a_circle():
+    graph, cycles, state = own_imports(), [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]) if target in path else target)
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("where, forbidden", [
+    ("report", ("sn_trainer.trainer", "sn_trainer.fit", "sn_trainer.tuner", "sn_trainer.cli")),  # predict_table
+    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/machine.py)
+    ("data", ("sn_trainer.cli",)),  # the command line's dataset catalogue is the command line's
+])
+def test_the_three_imports_that_ran_back_up_stay_gone(where, forbidden):
+    offenders = [f"{name} imports {target}" for name, targets in own_imports().items()
+                 if name.startswith(f"sn_trainer.{where}")
+                 for target in sorted(targets) if target.startswith(forbidden)]
+    assert offenders == []
+
+
+def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
+    """The check above is not vacuous: an upward import is one it reports."""
+    source = tmp_path / "sweep.py"
+    source.write_text("def f():\n    from ..trainer import Trainer\n")
+    targets = {m for m in imported_modules(source, "sn_trainer.report") if m.startswith("sn_trainer.")}
+    assert "sn_trainer.trainer" in targets and layer("sn_trainer.trainer") > layer("sn_trainer.report.sweep")
+
+
 def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
     offenders = []
     for path in sorted((PACKAGE / "engine").rglob("*.py")):
@@ -37,3 +148,57 @@ def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
             if module.split(".")[:2] in (["sn_trainer", "checkpoint"], ["sn_trainer", "report"]):
                 offenders.append(f"{path.name} imports {module}")
     assert offenders == []
+
+
+# --- every setting declared once -------------------------------------------------------------
+
+def dataclasses_in(tree: ast.Module):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d).endswith("dataclass") for d in node.decorator_list):
+            yield node
+
+
+def fields_with_defaults(node: ast.ClassDef) -> list[str]:
+    return [item.target.id for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None
+            and "ClassVar" not in ast.unparse(item.annotation)]
+
+
+def settings_redeclared(package: Path) -> list[str]:
+    """Fields of a dataclass other than TrainerConfig (and the parts it holds) that give a setting
+    a default of its own: a ``<Name>Config``'s field ``f`` is the setting ``<name>_f``."""
+    settings = {row.keyword for row in setting_rows()}
+    parts = {"TrainerConfig", *{type(getattr(sn_trainer.config.TrainerConfig(), row.part)).__name__
+                                for row in setting_rows() if row.part}}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in dataclasses_in(ast.parse(path.read_text())):
+            if node.name in parts:
+                continue
+            prefix = node.name[: -len("Config")].lower() + "_" if node.name.endswith("Config") else ""
+            found += [f"{node.name}.{f} ({path.name})" for f in fields_with_defaults(node) if prefix + f in settings]
+    return found
+
+
+def test_no_setting_has_a_default_anywhere_but_in_trainer_config():
+    assert settings_redeclared(PACKAGE) == []
+
+
+def test_a_second_default_of_a_setting_is_found(tmp_path):
+    """The check above is not vacuous: a class giving batch_size a default of its own is caught."""
+    (tmp_path / "plan.py").write_text("from dataclasses import dataclass\n\n@dataclass(frozen=True)\nclass Plan:\n"
+                                      "    batch_size: int = 64\n    steps: int = 1\n")
+    (tmp_path / "cli.py").write_text("from dataclasses import dataclass\n\n@dataclass\nclass CheckpointingConfig:\n"
+                                     "    keep: int = 3\n\n@dataclass\nclass DatasetConfig:\n    seed: int = 0\n")
+    assert settings_redeclared(tmp_path) == ["Plan.batch_size (plan.py)"]
+
+
+def test_the_plan_and_the_placement_repeat_no_setting():
+    """What the workers read holds the settings themselves, decided, and only what follows from them."""
+    from dataclasses import fields
+
+    from sn_trainer.engine.plan import Placement, Plan
+
+    settings = {row.keyword for row in setting_rows()} | {f.name for f in fields(sn_trainer.config.TrainerConfig)}
+    assert [f.name for kind in (Plan, Placement) for f in fields(kind) if f.name in settings] == []

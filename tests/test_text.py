@@ -108,7 +108,7 @@ def test_gpt_from_the_command_line_writes_a_sample_and_tensorboard_events(tmp_pa
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "speed/samples_per_sec", "speed/tokens_per_sec", "eval/loss",
-            "phase_ms/forward", "phase_ms/reduce", "cpu_percent/core0"} <= tags, tags
+            "stage_ms/forward", "stage_ms/reduce", "cpu_percent/core0"} <= tags, tags
     for tag in tags:
         assert all(math.isfinite(e.value) for e in events.Scalars(tag)), tag
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]

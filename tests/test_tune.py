@@ -9,7 +9,7 @@ import torch
 
 from helpers import SmallConvNet, tiny_dataset
 import sn_trainer
-from sn_trainer import ConfigError, Trainer, tune
+from sn_trainer import ConfigError, Trainer, tuner as tune
 from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps
 
 pytestmark = pytest.mark.timeout(300)
@@ -64,11 +64,13 @@ def test_the_search_verifies_the_best_predictions_and_the_runtimes():
     assert {(r["workers"], r["threads"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
     best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
     assert (best["workers"], best["threads"]) == (2, 1)
-    assert runtimes[Runtime("tcmalloc")] > runtimes[Runtime("jemalloc")] == pytest.approx(runtimes[Runtime()])
+    assert runtimes[Runtime("tcmalloc", "gnu")] > runtimes[Runtime("jemalloc", "gnu")] \
+        == pytest.approx(runtimes[Runtime("system", "gnu")])
     # Intel's OpenMP is tried at the winner with the fastest allocator, and wins there.
     assert calls[-2] == (2, 1, 128, Runtime("tcmalloc", "intel"))
     assert max(runtimes, key=runtimes.get) == Runtime("tcmalloc", "intel")
-    assert set(runtimes) == {Runtime(), Runtime("jemalloc"), Runtime("tcmalloc"), Runtime("tcmalloc", "intel")}
+    assert set(runtimes) == {Runtime("system", "gnu"), Runtime("jemalloc", "gnu"), Runtime("tcmalloc", "gnu"),
+                             Runtime("tcmalloc", "intel")}
     # tcmalloc with Intel's OpenMP then runs at the runner-up too (1 x 2 here), which stays slower.
     assert calls[-1] == (1, 2, 128, Runtime("tcmalloc", "intel"))
     assert tune.winner(rows, runtimes)[:3] == (2, 1, Runtime("tcmalloc", "intel"))
@@ -84,7 +86,7 @@ def test_a_runtime_that_favours_the_runner_up_moves_the_choice_there():
     cal, rows, runtimes = tune.search(measure, cores=2, batch=128, allocators=["system"], openmps=["gnu", "intel"])
     best = max((r for r in rows if r["measured"]), key=lambda r: r["measured"])
     assert (best["workers"], best["threads"]) == (2, 1)  # with torch's own OpenMP
-    assert tune.winner(rows, runtimes)[:3] == (1, 2, Runtime(openmp="intel"))
+    assert tune.winner(rows, runtimes)[:3] == (1, 2, Runtime("system", "intel"))
 
 
 def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
@@ -93,7 +95,7 @@ def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
     key = tune.cache_key(model, 64, 1, "fp32")
     assert key != tune.cache_key(model, 128, 1, "fp32") != tune.cache_key(SmallConvNet(classes=4), 64, 1, "fp32")
     assert key != tune.cache_key(model, 64, 1, "bf16")
-    result = tune.TuneResult(2, 1, "system", 1000.0, [], tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0)
+    result = tune.TuneResult(2, 1, Runtime("system", "gnu"), 1000.0, [], tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0)
     path = tune.store(key, result)
     assert path == tmp_path / "sn_trainer" / "tune.json"
     assert tune.load(key)["workers"] == 2

@@ -5,7 +5,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .batching import in_layout
-from .source import IndexSource, StreamSource
+from .source import Source
 
 
 class Feed:
@@ -16,7 +16,7 @@ class Feed:
     Steps are asked for in order; the thread reads the source in that order too.
     """
 
-    def __init__(self, source: IndexSource | StreamSource, rank: int, world: int, accumulate: int,
+    def __init__(self, source: Source, rank: int, world: int, accumulate: int,
                  channels_last: bool, last_step: int, ahead: bool):
         self.source, self.rank, self.world = source, rank, world
         self.accumulate, self.channels_last, self.last_step = accumulate, channels_last, last_step

@@ -1,7 +1,8 @@
 """Where a run's batches come from. A worker asks for its slice of micro-batch m of step k, and
 evaluation for its chunks; nothing else knows how they are produced.
 
-Two sources:
+Every source follows the ``Source`` protocol below, and ``SOURCES`` lists them: the first that
+reads a dataset reads it (a new kind of data is one class here, added to that list). Two:
 
 - ``IndexSource``: a map-style dataset (``__len__``, ``__getitem__``), read by index in an order
   drawn from (seed, epoch), as a DataLoader with a seeded RandomSampler reads it.
@@ -20,30 +21,57 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError, DataError
-from .batching import fetch_batch
+from .batching import fetch_batch, share_dataset
 from .sampler import GlobalBatches, slice_bounds, steps_per_epoch
 
+if TYPE_CHECKING:
+    from ..config import TrainerConfig
 
-@dataclass(frozen=True)
-class Batching:
-    """How global batches are cut: ``accumulate`` micro-batches of ``batch_size`` per step."""
 
-    batch_size: int
-    accumulate: int = 1
-    seed: int = 0
-    drop_last: bool = True
+class Source(Protocol):
+    """How a run reads a dataset: the training slices of each worker, evaluation's chunks, what the
+    rehearsal tries, and where a resumed run goes on. ``settings`` are the run's: its batch size,
+    accumulation, seed and drop_last cut the global batches."""
 
-    @property
-    def step_batch(self) -> int:
-        return self.batch_size * self.accumulate
+    kind: str  # what summary.json calls this kind of data
+    size: int | None  # samples per epoch (None: a stream without a length)
+
+    @classmethod
+    def reads(cls, dataset: Any) -> bool:
+        """Whether this kind of source reads ``dataset``."""
+
+    def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
+        """Worker ``rank`` of ``world``'s slice of micro-batch ``micro`` of step ``step``, collated,
+        and its samples (None and 0 where the short last batch of an epoch leaves it nothing)."""
+
+    def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
+        """Worker ``rank``'s share of an evaluation, in batches of at most ``chunk`` samples, with
+        their sizes; at most ``max_chunks`` x ``chunk`` samples in all, the first ones."""
+
+    def first(self, samples: int) -> Any:
+        """The first ``samples`` items, collated (what the rehearsal trains on)."""
+
+    def probe(self, count: int) -> tuple[Any, list[Any]]:
+        """``count`` samples collated together, and each alone (what the loss probe compares)."""
+
+    def first_item(self) -> Any:
+        """The first item (None: there is none)."""
+
+    def share_memory(self) -> None:
+        """Move what workers read to shared memory, where it can be (before they start)."""
+
+    def position(self, step: int) -> dict[str, int] | None:
+        """Where step ``step`` begins, for a checkpoint (None: the step says it)."""
+
+    def resume_at(self, position: dict[str, int] | None, step: int) -> None:
+        """Go on at step ``step`` from ``position`` (a checkpoint's)."""
 
 
 def _collate(items: list, collate_fn) -> Any:
@@ -68,20 +96,28 @@ class IndexSource:
 
     kind = "map-style"
 
-    def __init__(self, dataset: Dataset, batching: Batching, collate_fn: Callable[[list], Any] | None = None):
-        self.dataset, self.batching, self.collate_fn = dataset, batching, collate_fn
+    def __init__(self, dataset: Dataset, settings: TrainerConfig, collate_fn: Callable[[list], Any] | None = None):
+        self.dataset, self.settings, self.collate_fn = dataset, settings, collate_fn
         self.size = len(dataset)
-        self.steps_per_epoch = steps_per_epoch(self.size, batching.batch_size, batching.accumulate,
-                                               batching.drop_last)
+        self.steps_per_epoch = steps_per_epoch(self.size, settings.batch_size, settings.accumulate,
+                                               settings.drop_last)
         self._batches = None
         self._tell = _EpochTeller(dataset)
 
+    @classmethod
+    def reads(cls, dataset: Any) -> bool:
+        if isinstance(dataset, IterableDataset):
+            return False
+        try:
+            len(dataset)
+        except TypeError:
+            return False
+        return True
+
     def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
-        """Worker ``rank`` of ``world``'s slice of micro-batch ``micro`` of step ``step`` and its size
-        (0 and None where the short last batch of an epoch leaves it nothing)."""
         if self._batches is None:
-            b = self.batching
-            self._batches = GlobalBatches(self.size, b.batch_size, b.accumulate, b.seed, b.drop_last)
+            s = self.settings
+            self._batches = GlobalBatches(self.size, s.batch_size, s.accumulate, s.seed, s.drop_last)
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         indices = self._batches.indices(epoch, in_epoch, micro)
         start, stop = slice_bounds(len(indices), world, rank)
@@ -90,19 +126,28 @@ class IndexSource:
         self._tell(epoch)
         return fetch_batch(self.dataset, indices[start:stop], self.collate_fn), stop - start
 
+    def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
+        """Contiguous slices, one per worker, of the set (or of its first max_chunks x chunk samples)."""
+        total = self.size if max_chunks is None else min(self.size, max_chunks * chunk)
+        start, stop = slice_bounds(total, world, rank)
+        for lo in range(start, stop, chunk):
+            indices = torch.arange(lo, min(lo + chunk, stop))
+            yield fetch_batch(self.dataset, indices, self.collate_fn), len(indices)
+
     def first(self, samples: int) -> Any:
-        """The first ``samples`` items, collated (what the rehearsal trains on)."""
         return fetch_batch(self.dataset, torch.arange(min(samples, self.size)), self.collate_fn)
 
     def probe(self, count: int) -> tuple[Any, list[Any]]:
-        """``count`` samples spread over the dataset, collated together, and each alone (what the
-        loss probe compares)."""
+        """Samples spread over the dataset."""
         picked = torch.linspace(0, self.size - 1, min(count, self.size)).round().long().unique()
         return (fetch_batch(self.dataset, picked, self.collate_fn),
                 [fetch_batch(self.dataset, picked[i : i + 1], self.collate_fn) for i in range(len(picked))])
 
     def first_item(self) -> Any:
-        return self.dataset[0]
+        return self.dataset[0] if self.size else None
+
+    def share_memory(self) -> None:
+        share_dataset(self.dataset)
 
     def position(self, step: int) -> dict[str, int] | None:
         return None  # the order follows from (seed, epoch): the step says where a resume goes on
@@ -142,18 +187,23 @@ class StreamSource:
 
     kind = "stream"
 
-    def __init__(self, stream: IterableDataset, batching: Batching, collate_fn: Callable[[list], Any] | None = None):
-        self.stream, self.batching, self.collate_fn = stream, batching, collate_fn
+    def __init__(self, stream: IterableDataset, settings: TrainerConfig,
+                 collate_fn: Callable[[list], Any] | None = None):
+        self.stream, self.settings, self.collate_fn = stream, settings, collate_fn
         try:
             self.size = len(stream)
         except TypeError:
             self.size = None
-        self.steps_per_epoch = steps_per_epoch(self.size, batching.batch_size, batching.accumulate,
-                                               batching.drop_last) if self.size is not None else None
+        self.steps_per_epoch = steps_per_epoch(self.size, settings.batch_size, settings.accumulate,
+                                               settings.drop_last) if self.size is not None else None
         self._reader: _Reader | None = None
         self._own: IterableDataset | None = None  # this process's copy of the stream (see _stream)
         self._start = 0  # the reader's pass's first item's place in the whole sequence
         self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
+
+    @classmethod
+    def reads(cls, dataset: Any) -> bool:
+        return isinstance(dataset, IterableDataset)
 
     def __getstate__(self):
         return {**self.__dict__, "_reader": None, "_own": None}  # iterators and copies stay in their process
@@ -168,7 +218,7 @@ class StreamSource:
     # --- reading ------------------------------------------------------------------------------
 
     def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
-        b = self.batching
+        b = self.settings
         if self.size is not None:
             items = self._read_in_pass(*divmod(step, self.steps_per_epoch), micro)
         else:
@@ -180,7 +230,7 @@ class StreamSource:
 
     def _read_in_pass(self, epoch: int, in_epoch: int, micro: int) -> list:
         """A stream with a length: epoch e is pass e, and micro-batches never cross passes."""
-        b = self.batching
+        b = self.settings
         first = (in_epoch * b.accumulate + micro) * b.batch_size
         expected = max(0, min(b.batch_size, self.size - first))
         if expected == 0:
@@ -194,7 +244,7 @@ class StreamSource:
 
     def _read_across_passes(self, first: int) -> list:
         """A stream without a length: one sequence of passes; a batch may run across two."""
-        size = self.batching.batch_size
+        size = self.settings.batch_size
         reader = self._reader
         if reader is None or self._start + reader.offset > first:
             pass_ = max((p for p, start in self._starts.items() if start <= first), key=self._starts.get)
@@ -238,17 +288,29 @@ class StreamSource:
         return _collate(items, self.collate_fn), [_collate([item], self.collate_fn) for item in items]
 
     def first_item(self) -> Any:
-        """The stream's first item (None: it yields none)."""
         head = self._head(1)
         return head[0] if head else None
 
+    def share_memory(self) -> None:
+        pass  # each worker reads a copy of its own (see _stream)
+
+    def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
+        """Chunks of ``chunk`` items in order, chunk c going to worker c mod ``world``."""
+        items = iter(self.stream)
+        for c in itertools.count() if max_chunks is None else range(max_chunks):
+            batch = list(itertools.islice(items, chunk))
+            if not batch:
+                return
+            if c % world == rank:
+                yield _collate(batch, self.collate_fn), len(batch)
+
     def position(self, step: int) -> dict[str, int]:
-        """Where step ``step`` begins: the pass and the items of it before."""
-        b = self.batching
+        """The pass and the items of it before."""
+        step_batch = self.settings.batch_size * self.settings.accumulate
         if self.size is not None:
             epoch, in_epoch = divmod(step, self.steps_per_epoch)
-            return {"pass": epoch, "offset": in_epoch * b.step_batch}
-        first = step * b.step_batch
+            return {"pass": epoch, "offset": in_epoch * step_batch}
+        first = step * step_batch
         starts = dict(self._starts)  # a copy: the reading thread may add a pass meanwhile
         pass_ = max((p for p, start in starts.items() if start <= first), key=starts.get)
         return {"pass": pass_, "offset": first - starts[pass_]}
@@ -257,71 +319,51 @@ class StreamSource:
         """Go on at step ``step`` from ``position`` (a checkpoint's): the passes before it are not
         read again."""
         if self.size is None and position is not None:
-            self._starts = {position["pass"]: step * self.batching.step_batch - position["offset"]}
+            step_batch = self.settings.batch_size * self.settings.accumulate
+            self._starts = {position["pass"]: step * step_batch - position["offset"]}
             self._reader = None
 
 
-def source_for(dataset: Any, batching: Batching, collate_fn: Callable[[list], Any] | None = None
-               ) -> IndexSource | StreamSource:
-    """The source that reads ``dataset``: a stream for an IterableDataset, else by index."""
-    kind = StreamSource if isinstance(dataset, IterableDataset) else IndexSource
-    return kind(dataset, batching, collate_fn)
+# Every kind of source, in the order they are asked whether they read a dataset.
+SOURCES: tuple[type, ...] = (StreamSource, IndexSource)
 
 
-def make_source(dataset: Any, name: str, batching: Batching, collate_fn: Callable[[list], Any] | None,
-                accepts: Callable[[Any], str | None]) -> IndexSource | StreamSource:
+def source_for(dataset: Any, settings: TrainerConfig, collate_fn: Callable[[list], Any] | None = None) -> Source:
+    """The source that reads ``dataset`` (the first of ``SOURCES`` that does).
+
+    Raises:
+        ConfigError: none reads it.
+    """
+    for kind in SOURCES:
+        if kind.reads(dataset):
+            return kind(dataset, settings, collate_fn)
+    raise ConfigError(f"cannot read a {type(dataset).__name__}: a dataset must be map-style (__len__ and "
+                      "__getitem__) or an IterableDataset")
+
+
+def make_source(dataset: Any, name: str, settings: TrainerConfig, collate_fn: Callable[[list], Any] | None,
+                accepts: Callable[[Any], str | None]) -> Source:
     """The source ``dataset`` is read through, once its first item is one the run can take.
 
     Args:
         accepts: ``accepts(item)`` says why ``item`` cannot be a sample (None: it can).
 
     Raises:
-        ConfigError: a DataLoader, an empty or unsized map-style dataset, or an item the loss
+        ConfigError: a DataLoader, an empty dataset or one no source reads, or an item the loss
             cannot take.
     """
     if isinstance(dataset, DataLoader):
         raise ConfigError(f"{name} is a DataLoader; pass its dataset and collate function, fit({name}=loader.dataset, "
                           "collate_fn=loader.collate_fn), and the batch size as Trainer(batch_size=...): sn_trainer "
                           "draws and splits every global batch itself")
-    if not isinstance(dataset, IterableDataset):
-        try:
-            size = len(dataset)
-        except TypeError:
-            raise ConfigError(f"{name} must be a map-style dataset (__len__ and __getitem__) or an IterableDataset, "
-                              f"got {type(dataset).__name__}") from None
-        if size == 0:
-            raise ConfigError(f"{name} is empty")
-    source = source_for(dataset, batching, collate_fn)
-    first = source.first_item()
-    if source.kind == "stream" and (source.size == 0 or first is None):
-        raise ConfigError(f"{name} is a stream that yields no items")
+    if not any(kind.reads(dataset) for kind in SOURCES):
+        raise ConfigError(f"{name} must be a map-style dataset (__len__ and __getitem__) or an IterableDataset, "
+                          f"got {type(dataset).__name__}")
+    source = source_for(dataset, settings, collate_fn)
+    first = source.first_item() if source.size != 0 else None
+    if first is None:
+        raise ConfigError(f"{name} is a stream that yields no items" if source.kind == "stream" else f"{name} is empty")
     why = accepts(first)
     if why is not None:
         raise ConfigError(f"{name}[0] {why}")
     return source
-
-
-# --- evaluation -------------------------------------------------------------------------------
-
-def eval_chunks(dataset: Any, collate_fn, rank: int, world: int, chunk: int,
-                max_chunks: int | None) -> Iterator[tuple[Any, int]]:
-    """Worker ``rank``'s share of an evaluation, in batches of at most ``chunk`` samples, with
-    their sizes; at most ``max_chunks`` x ``chunk`` samples in all, the first ones.
-
-    A map-style set is cut into ``world`` contiguous slices; a stream into chunks of ``chunk``
-    items in order, chunk c going to worker c mod ``world``.
-    """
-    if isinstance(dataset, IterableDataset):
-        items = iter(dataset)
-        for c in itertools.count() if max_chunks is None else range(max_chunks):
-            batch = list(itertools.islice(items, chunk))
-            if not batch:
-                return
-            if c % world == rank:
-                yield _collate(batch, collate_fn), len(batch)
-        return
-    total = len(dataset) if max_chunks is None else min(len(dataset), max_chunks * chunk)
-    start, stop = slice_bounds(total, world, rank)
-    for lo in range(start, stop, chunk):
-        indices = torch.arange(lo, min(lo + chunk, stop))
-        yield fetch_batch(dataset, indices, collate_fn), len(indices)

@@ -1,7 +1,8 @@
 """Collectives between the workers of one node: summing gradients into shards, and barriers.
 
-Every reducer follows the ``Reducer`` protocol below. Three kinds inside a node, and one wrapper
-across nodes:
+Every reducer follows the ``Reducer`` protocol below and is registered by its name (``comm=``
+takes it; a new reducer is one class here, ``@registered``). Three kinds inside a node, and one
+wrapper across nodes:
 
 - ``LocalReducer``: one worker, nothing to do;
 - ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter); with
@@ -14,13 +15,14 @@ across nodes:
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,12 +38,41 @@ _SPINS_BEFORE_YIELD = 200
 SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")
 
 
+@dataclass(frozen=True)
+class ReducerSetup:
+    """What every worker builds its reducer from: the same in all of them but the rank."""
+
+    rank: int
+    world_size: int
+    shard: Shard  # this worker's
+    padded_numel: int
+    dtype: torch.dtype
+    store_path: str  # a FileStore's file, for a rendezvous in the node
+    mode: str  # the collective (settings.reduce)
+    timeout_s: float  # a backstop behind the launcher's watchdog
+    shared: Any = None  # what the launcher allocated for this kind of reducer (``allocate``)
+
+
 class Reducer(Protocol):
     """How the workers of a run turn their gradients into summed shards, and synchronise."""
 
-    name: str
+    name: ClassVar[str]  # what comm= calls it
+    timed: ClassVar[bool]  # comm=auto times it against the others, where it is available
+    fallback: ClassVar[str | None]  # what runs where it is not available (None: it always is)
     grad_flat: torch.Tensor  # this worker's gradient buffer: backward writes into it
     shard_grad: torch.Tensor  # where reduce() leaves the summed gradient of this worker's shard
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why it cannot run on this machine (None: it can)."""
+
+    @classmethod
+    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> Any:
+        """What its workers share, made by the launcher before they start (None: nothing);
+        ``sum_width`` is the widest small sum of the run (batch norm's statistics, evaluation's)."""
+
+    def __init__(self, setup: ReducerSetup) -> None:
+        ...
 
     def watch(self, params: list[torch.Tensor], layout: FlatLayout, backward_passes: int, bucket_bytes: int) -> None:
         """Follow the backward pass (``params`` in layout order), to start sending early where it can."""
@@ -82,6 +113,20 @@ class ShmBuffers:
                    scratch=torch.zeros(2, world_size, max(8, scratch_width), dtype=torch.float64).share_memory_())
 
 
+REDUCERS: dict[str, type] = {}  # by name, in the order comm=auto times them
+
+
+def registered(kind: type) -> type:
+    """Make a reducer class one that ``comm=<its name>`` runs."""
+    REDUCERS[kind.name] = kind
+    return kind
+
+
+def auto_candidates() -> list[str]:
+    """The reducers comm=auto times against each other here."""
+    return [name for name, kind in REDUCERS.items() if kind.timed and kind.unavailable() is None]
+
+
 def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.ProcessGroupGloo:
     """A gloo group on one given device, used directly (never installed as the global default)."""
     options = dist.ProcessGroupGloo._Options()
@@ -90,14 +135,29 @@ def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.Pr
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-class LocalReducer:
+class _Always:
+    """A reducer that runs anywhere and shares nothing made by the launcher."""
+
+    fallback = None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None
+
+    @classmethod
+    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> Any:
+        return None
+
+
+@registered
+class LocalReducer(_Always):
     """One worker: its gradient already is the sum, and there is nobody to wait for."""
 
-    name = "local"
+    name, timed = "local", False
 
-    def __init__(self, shard: Shard, padded_numel: int, dtype: torch.dtype):
-        self.grad_flat = torch.zeros(padded_numel, dtype=dtype)
-        self.shard_grad = self.grad_flat[shard.start : shard.stop]
+    def __init__(self, setup: ReducerSetup):
+        self.grad_flat = torch.zeros(setup.padded_numel, dtype=setup.dtype)
+        self.shard_grad = self.grad_flat[setup.shard.start : setup.shard.stop]
 
     def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
         pass
@@ -121,17 +181,19 @@ class LocalReducer:
         pass
 
 
-class GlooReducer:
+@registered
+class GlooReducer(_Always):
     """A gloo process group over the node's workers, bound to the loopback interface only.
 
     The group object is used directly rather than installed as torch.distributed's global
     default group: nothing else in the process can reach it, and two groups never collide.
     """
 
-    name = "gloo"
+    name, timed = "gloo", True
 
-    def __init__(self, store_path: str, rank: int, world_size: int, shard: Shard, padded_numel: int,
-                 dtype: torch.dtype, mode: str = "all_reduce", timeout_s: float = 300.0):
+    def __init__(self, setup: ReducerSetup):
+        store_path, rank, world_size, shard = setup.store_path, setup.rank, setup.world_size, setup.shard
+        padded_numel, dtype, mode, timeout_s = setup.padded_numel, setup.dtype, setup.mode, setup.timeout_s
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown reduce mode {mode!r}; choose all_reduce or reduce_scatter")
         store = dist.FileStore(store_path, world_size)
@@ -240,12 +302,22 @@ class _Bucket:
         self.ready, self._work, self._sum = 0, None, None
 
 
+@registered
 class ShmReducer:
     """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
 
-    name = "shm"
+    name, timed, fallback = "shm", True, "gloo"
 
-    def __init__(self, buffers: ShmBuffers, rank: int, world_size: int, shard: Shard):
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None if SHM_SAFE else "the shared-memory barrier relies on x86-64's store order"
+
+    @classmethod
+    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> ShmBuffers:
+        return ShmBuffers.allocate(workers, padded_numel, dtype, sum_width)
+
+    def __init__(self, setup: ReducerSetup):
+        buffers, rank, world_size, shard = setup.shared, setup.rank, setup.world_size, setup.shard
         self.rank, self.world_size, self.shard = rank, world_size, shard
         self.grad_flat = buffers.grad_rows[rank]
         self.grad_flat.zero_()  # this worker touches its row first: its pages go on this worker's node
@@ -356,28 +428,23 @@ def calibrate(candidates: list[Reducer], rounds: int = 8) -> list[float]:
     return timings
 
 
-def make_reducer(comm: str, rank: int, world_size: int, shard: Shard, padded_numel: int, dtype: torch.dtype,
-                 store_path: str, shm: ShmBuffers | None, reduce_mode: str = "all_reduce",
-                 timeout_s: float = 300.0) -> Reducer:
-    """The reducer ``comm`` names (local, shm, gloo); ``auto`` measures shm against gloo here and
-    keeps the faster. Every worker must call this with the same arguments but its own rank.
+def make_reducer(comm: str, setup: ReducerSetup, shared: dict[str, Any]) -> Reducer:
+    """The reducer ``comm`` names, given what the launcher allocated for it (``shared``, by name);
+    ``auto`` times those ``auto_candidates`` names against each other here and keeps the fastest.
+    Every worker must call this with the same arguments but its own rank in ``setup``.
     """
-    if comm == "local":
-        return LocalReducer(shard, padded_numel, dtype)
-    if comm == "gloo":
-        return GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode, timeout_s)
-    shm_reducer = ShmReducer(shm, rank, world_size, shard)
-    if comm == "shm":
-        return shm_reducer
-    gloo_reducer = GlooReducer(store_path, rank, world_size, shard, padded_numel, dtype, reduce_mode, timeout_s)
-    shm_seconds, gloo_seconds = calibrate([shm_reducer, gloo_reducer])
+    if comm != "auto":
+        return REDUCERS[comm](dataclasses.replace(setup, shared=shared.get(comm)))
+    candidates = [REDUCERS[name](dataclasses.replace(setup, shared=shared.get(name))) for name in auto_candidates()]
+    if len(candidates) == 1:
+        return candidates[0]
+    seconds = calibrate(candidates)
     # Rank 0's measurement decides, so that every worker picks the same reducer.
-    decision = torch.tensor([1.0 if shm_seconds <= gloo_seconds else 0.0] if rank == 0 else [0.0],
-                            dtype=torch.float64)
-    gloo_reducer.sum_in_node(decision)
-    shm_reducer.grad_flat.zero_()
-    gloo_reducer.grad_flat.zero_()
-    if decision.item() > 0:
-        gloo_reducer.close()
-        return shm_reducer
-    return gloo_reducer
+    decision = torch.tensor([1.0 + seconds.index(min(seconds)) if setup.rank == 0 else 0.0], dtype=torch.float64)
+    candidates[-1].sum_in_node(decision)
+    chosen = candidates[int(decision.item()) - 1]
+    for candidate in candidates:
+        candidate.grad_flat.zero_()
+        if candidate is not chosen:
+            candidate.close()
+    return chosen

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from .runtime import Runtime
+from .runtime import Runtime, default_runtime
 
 # What the server imports before its first fork: this process's main module (as spawn would),
 # the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim
@@ -37,7 +37,7 @@ def running_runtime() -> Runtime | None:
     return _running.get("runtime")
 
 
-def start(runtime: Runtime = Runtime()) -> None:
+def start(runtime: Runtime | None = None) -> None:
     """Start this process's fork server (once) with ``runtime``'s libraries preloaded.
 
     Not while a main module is imported into a new process (the server preloads it, as spawn
@@ -45,6 +45,7 @@ def start(runtime: Runtime = Runtime()) -> None:
     """
     if not available() or _running or getattr(multiprocessing.current_process(), "_inheriting", False):
         return
+    runtime = runtime or default_runtime()
     preload = PRELOAD if _main_is_a_file() else [m for m in PRELOAD if m != "__main__"]
     multiprocessing.set_forkserver_preload(preload + (["torchvision"] if "torchvision" in sys.modules else []))
     _own_temp_dir()

@@ -33,20 +33,18 @@ import torch.multiprocessing as mp
 
 from ..errors import WorkerFailed
 from . import forkserver
-from .runtime import Runtime
+from .runtime import Runtime, default_runtime
 from .signals import StopFlags, stop_on_signals
+from .stages import STAGES, WAITING
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
-PHASES = ("setup", "data", "forward", "backward", "reduce", "update", "wait", "eval", "sync", "checkpoint")
-# Phases in which a worker waits for its peers: one stuck there is a victim, not the cause.
-_WAITING = frozenset({"reduce", "wait", "sync", "setup"})
 
 
-class JobPickler(cloudpickle.Pickler):
-    """How a job reaches its workers: cloudpickle, so that classes and functions of ``__main__`` (a
+class WorkerPickler(cloudpickle.Pickler):
+    """How a launch reaches its workers: cloudpickle, so that classes and functions of ``__main__`` (a
     notebook's cells, a script read from stdin, ``python -c``), lambdas and local functions travel
     by value, as Ray, Dask and joblib send them; with multiprocessing's reducers, so that tensors in
     shared memory travel as handles, never as copies."""
@@ -56,7 +54,7 @@ class JobPickler(cloudpickle.Pickler):
 
 def dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
-    JobPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buffer.getvalue()
 
 
@@ -72,9 +70,9 @@ def unpack(data: bytes) -> Any:
 
 
 class Heartbeats:
-    """Shared [workers, 3] float64: each worker's step, phase and when it entered that phase.
+    """Shared [workers, 3] float64: each worker's step, stage and when it entered that stage.
 
-    Workers write it as they move from phase to phase (a few stores a step); the launcher
+    Workers write it as they move from stage to stage (a few stores a step); the launcher
     reads it to tell a worker that stopped making progress, and where it stopped.
     """
 
@@ -91,21 +89,21 @@ class Heartbeats:
     def __reduce__(self):
         return (Heartbeats, (self.block,))
 
-    def beat(self, rank: int, step: int, phase: str) -> None:
+    def beat(self, rank: int, step: int, stage: str) -> None:
         row = self._rows[rank]
-        row[0], row[1], row[2] = step, PHASES.index(phase), time.monotonic()
+        row[0], row[1], row[2] = step, STAGES.index(stage), time.monotonic()
 
     @contextmanager
     def waiting(self, rank: int):
-        """Inside a phase, a wait for the peers (batch norm's sums in a forward pass): marked
-        ``sync`` while it lasts, then back in the phase it interrupted."""
+        """Inside a stage, a wait for the peers (batch norm's sums in a forward pass): marked
+        ``sync`` while it lasts, then back in the stage it interrupted."""
         row = self._rows[rank]
-        phase = row[1]
-        row[1], row[2] = PHASES.index("sync"), time.monotonic()
+        stage = row[1]
+        row[1], row[2] = STAGES.index("sync"), time.monotonic()
         try:
             yield
         finally:
-            row[1], row[2] = phase, time.monotonic()
+            row[1], row[2] = stage, time.monotonic()
 
     def stalled(self, timeout_s: float) -> list[tuple[int, str]]:
         """Workers without progress for ``timeout_s`` that are not waiting for a peer. While only
@@ -113,13 +111,13 @@ class Heartbeats:
         when every worker is stuck waiting, all of them."""
         now = time.monotonic()
         rows = self._rows.tolist()
-        stuck = [(rank, int(step), PHASES[int(phase)], now - since)
-                 for rank, (step, phase, since) in enumerate(rows) if now - since > timeout_s]
-        causes = [s for s in stuck if s[2] not in _WAITING]
+        stuck = [(rank, int(step), STAGES[int(stage)], now - since)
+                 for rank, (step, stage, since) in enumerate(rows) if now - since > timeout_s]
+        causes = [s for s in stuck if s[2] not in WAITING]
         if not causes and len(stuck) == len(rows):
             causes = stuck
         return [(rank, f"made no progress for {seconds:.0f} s (worker_timeout={timeout_s:g}), in step {step + 1}, "
-                       f"phase {phase}") for rank, step, phase, seconds in causes]
+                       f"stage {stage}") for rank, step, stage, seconds in causes]
 
 
 # A worker's exit code when the script it imports (as spawn does) starts training at import.
@@ -141,13 +139,13 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} before reporting a result"
 
 
-def starts_warm(start_method: str, runtime: Runtime = Runtime()) -> bool:
+def starts_warm(start_method: str, runtime: Runtime) -> bool:
     """Whether workers with ``runtime`` can come from this process's fork server."""
     return (start_method == "forkserver" and forkserver.available()
             and forkserver.running_runtime() in (None, runtime))
 
 
-def warm_up(start_method: str = "forkserver", runtime: Runtime = Runtime()) -> None:
+def warm_up(start_method: str, runtime: Runtime) -> None:
     """Start the fork server now (if it is not running), so that it imports torch while this
     process does other work. It runs with ``runtime`` for good: the first call decides."""
     if starts_warm(start_method, runtime):
@@ -210,7 +208,7 @@ def _adopt_environment(environment: dict[str, str]) -> None:
 def _bootstrap(conn: Connection, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
     try:
-        # The job comes through the pipe, not as the process's arguments: its shared tensors are
+        # The payload comes through the pipe, not as the process's arguments: its shared tensors are
         # then handed over one descriptor at a time, however many a model has.
         target, payload, stop, environment = pickle.loads(conn.recv_bytes())
         _adopt_environment(environment)
@@ -244,7 +242,7 @@ def launch(
     where: str = "",
     tick_s: float = 1.0,
     start_method: str = "forkserver",
-    runtime: Runtime = Runtime(),
+    runtime: Runtime | None = None,
 ) -> list[Any]:
     """Run ``target(payload, send)`` in one new process per payload; return their results.
 
@@ -260,6 +258,7 @@ def launch(
         # This process is a worker importing the script: a known exit code, rather than
         # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
         os._exit(EXIT_TRAINS_AT_IMPORT)
+    runtime = runtime or default_runtime()
     ctx = _context(start_method, runtime)
     procs, conns, inbox = [], [], None
     try:
@@ -274,11 +273,11 @@ def launch(
             conns.append(mine)
         environment = dict(os.environ)  # as it is now: a warm worker's server was started earlier
         for conn, payload in zip(conns, payloads):
-            job = dumps((target, payload, stop, environment))
+            sent = dumps((target, payload, stop, environment))
             try:
-                conn.send_bytes(job)
+                conn.send_bytes(sent)
             except (BrokenPipeError, ConnectionResetError):
-                pass  # it died before reading its job: supervision reports how
+                pass  # it died before reading its payload: supervision reports how
         inbox = _Inbox(conns)
         return _supervise(procs, inbox, on_message, watchdog or Watchdog(), tick_s, where)
     finally:

@@ -23,7 +23,7 @@ from .state import group_params, optimizer_pieces
 
 
 @dataclass
-class JobPhase:
+class PhaseSpec:
     """A phase as every worker receives it."""
 
     name: str
@@ -37,10 +37,10 @@ class JobPhase:
 class WorkerPhase:
     """One phase in one worker: its optimizer over the pieces of the worker's shard, and its schedule."""
 
-    def __init__(self, phase: JobPhase, layout: FlatLayout, rank: int, flat: torch.Tensor, shard_grad: torch.Tensor,
+    def __init__(self, phase: PhaseSpec, layout: FlatLayout, rank: int, flat: torch.Tensor, shard_grad: torch.Tensor,
                  plan: Plan, resume: dict[str, Any] | None):
         """``resume``: this phase's share of a checkpoint (``optimizer`` state, ``schedule`` state)."""
-        self.phase, self.objective, self.plan = phase, phase.objective, plan
+        self.spec, self.objective, self.plan = phase, phase.objective, plan
         shard = layout.shards[rank]
         self.pieces = optimizer_pieces(layout, rank, phase.slot_groups)
         self.grads: list[torch.Tensor] = []
@@ -81,12 +81,13 @@ class WorkerPhase:
         then step this shard's optimizer (and its scheduler, where it steps per optimizer step)."""
         if self.objective.divides:
             shard_grad.div_(count)
-        if self.plan.clip_grad_norm is not None:
+        clip = self.plan.settings.clip_grad_norm
+        if clip is not None:
             mine = [shard_grad] if whole_model else self.grads
             sq = torch.zeros(1, dtype=torch.float64)
             sq += sum(g.double().pow(2).sum() for g in mine if g.numel()) if mine else 0.0
             total_norm = math.sqrt(norm_sum(sq).item())
-            coef = self.plan.clip_grad_norm / (total_norm + 1e-6)
+            coef = clip / (total_norm + 1e-6)
             if coef < 1.0:
                 shard_grad.mul_(coef)
         if self.optimizer is None:

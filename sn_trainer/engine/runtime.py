@@ -11,14 +11,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import ALLOCATORS, OPENMPS, TrainerConfig
 from ..errors import ConfigError
 
-# The memory allocators a worker may run with (preloaded), by the library each needs.
-ALLOCATORS = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
+# The library each memory allocator a worker may run with needs, preloaded (system: the C library's).
+_LIBRARIES = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}
 _PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
-# The OpenMP runtimes: torch's own (GNU, linked in), or Intel's, preloaded in its place (it
-# answers the GNU entry points torch calls), as PyTorch's own CPU launcher does.
-OPENMPS = ("gnu", "intel")
+# The OpenMP runtimes (config.OPENMPS): torch's own (GNU, linked in), or Intel's, preloaded in its
+# place (it answers the GNU entry points torch calls), as PyTorch's own CPU launcher does.
 
 
 def allocator_library(allocator: str) -> str | None:
@@ -27,11 +27,11 @@ def allocator_library(allocator: str) -> str | None:
     Raises:
         ConfigError: the library is not installed.
     """
-    if ALLOCATORS[allocator] is None:
+    if _LIBRARIES[allocator] is None:
         return None
-    library = ctypes.util.find_library(ALLOCATORS[allocator])
+    library = ctypes.util.find_library(_LIBRARIES[allocator])
     if library is None:
-        raise ConfigError(f"allocator={allocator}: lib{ALLOCATORS[allocator]} is not installed; install it "
+        raise ConfigError(f"allocator={allocator}: lib{_LIBRARIES[allocator]} is not installed; install it "
                           f"(Debian: apt-get install {_PACKAGES[allocator]}) or use allocator=system")
     return library
 
@@ -58,7 +58,7 @@ def openmp_library(openmp: str) -> str | None:
 
 
 def available_allocators() -> list[str]:
-    return [name for name, lib in ALLOCATORS.items() if lib is None or ctypes.util.find_library(lib)]
+    return [name for name, lib in _LIBRARIES.items() if lib is None or ctypes.util.find_library(lib)]
 
 
 def available_openmps() -> list[str]:
@@ -70,8 +70,8 @@ class Runtime:
     """What a worker's kernels run with besides torch: its memory allocator and OpenMP runtime,
     both chosen by preloading a library when the worker's process starts."""
 
-    allocator: str = "system"
-    openmp: str = "gnu"
+    allocator: str
+    openmp: str
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATORS or self.openmp not in OPENMPS:
@@ -88,3 +88,8 @@ class Runtime:
 
     def __str__(self) -> str:
         return f"allocator={self.allocator} openmp={self.openmp}"
+
+
+def default_runtime() -> Runtime:
+    """What workers run with unless told otherwise: the settings' defaults."""
+    return Runtime(TrainerConfig.allocator, TrainerConfig.openmp)

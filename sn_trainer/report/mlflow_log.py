@@ -1,7 +1,7 @@
 """A run tracked in MLflow, written by the launching process (never by a worker), as TensorBoard is.
 
 Params are the resolved config (flattened: ``optim.lr``), metrics the progress and evaluation
-records (``loss``, ``lr``, ``samples_per_sec``, ``eval_*``, ``phase_ms.*``) by step, and at the end
+records (``loss``, ``lr``, ``samples_per_sec``, ``eval_*``, ``stage_ms.*``) by step, and at the end
 the summary's numbers, the summary itself as an artifact and the last checkpoint's path as a
 tag. The store is ``MLFLOW_TRACKING_URI`` where set, else an SQLite file beside the run
 (``mlflow.db`` in the sweep's folder for a multirun, so that its jobs are one experiment's runs).
@@ -78,7 +78,7 @@ class MLflowLog(Records):
         metrics = {k: record[k] for k in TRAINING if record.get(k) is not None}
         metrics.update({k: v for k, v in record.items()
                         if k.startswith("eval_") and k != "eval_samples" and isinstance(v, (int, float))})
-        metrics.update({f"phase_ms.{phase}": ms for phase, ms in (record.get("phase_ms") or {}).items()})
+        metrics.update({f"stage_ms.{stage}": ms for stage, ms in (record.get("stage_ms") or {}).items()})
         self._add(metrics, int(record["step"]), flush)
 
     def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:

@@ -7,10 +7,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-PHASES = ("data", "forward", "backward", "reduce", "update", "wait")
+STAGES = ("data", "forward", "backward", "reduce", "update", "wait")  # a step's, as summary.json has them
 COLUMNS = ("job", "model", "batch_size", "workers", "threads", "per_worker_batch", "samples_per_sec",
            "efficiency", "test_accuracy", "lr", "weight_decay", "measured_steps", "mean_cpu_percent", "idle_cores", "other_cpu_percent",
-           *[f"{p}_ms_per_step" for p in PHASES])
+           *[f"{s}_ms_per_step" for s in STAGES])
 
 
 SHARED_PERCENT = 5.0  # other processes' share of the machine above which a measurement is suspect
@@ -65,8 +65,9 @@ def _row(job: str, summary: dict[str, Any]) -> dict[str, Any]:
         "lr": ((summary.get("config") or {}).get("optim") or {}).get("lr"),
         "weight_decay": ((summary.get("config") or {}).get("optim") or {}).get("weight_decay"),
     }
-    for phase in PHASES:
-        row[f"{phase}_ms_per_step"] = 1000 * summary["phase_seconds"][phase] / steps
+    seconds = summary.get("stage_seconds") or summary["phase_seconds"]  # (its name before sn_trainer 0.3)
+    for stage in STAGES:
+        row[f"{stage}_ms_per_step"] = 1000 * seconds[stage] / steps
     return row
 
 
@@ -127,7 +128,7 @@ def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     title = ", ".join(sorted({r["model"] for r in rows}))
     paths = []
     for name, draw in (("speed_vs_workers.png", _speed_vs_workers), ("speed_vs_batch.png", _speed_vs_batch),
-                       ("heatmap.png", _heatmap), ("efficiency.png", _efficiency), ("phases.png", _phases)):
+                       ("heatmap.png", _heatmap), ("efficiency.png", _efficiency), ("stages.png", _stages)):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
         draw(ax, rows)
         ax.set_title(f"{title}: {ax.get_title()}")
@@ -221,12 +222,12 @@ def _efficiency(ax, rows):
     ax.grid(alpha=0.3)
 
 
-def _phases(ax, rows):
+def _stages(ax, rows):
     labels = [f"b{r['batch_size']} w{r['workers']} t{r['threads']}" for r in rows]
     bottom = [0.0] * len(rows)
-    for phase in PHASES:
-        values = [r[f"{phase}_ms_per_step"] for r in rows]
-        ax.bar(range(len(rows)), values, bottom=bottom, label=phase)
+    for stage in STAGES:
+        values = [r[f"{stage}_ms_per_step"] for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottom, label=stage)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("time per step (ms, mean over workers)")

@@ -35,9 +35,9 @@ class TensorBoardLog(Records):
                 self.writer.add_scalar(SCALARS[key], value, step)
             elif key.startswith("eval_") and key != "eval_samples":
                 self.writer.add_scalar(f"eval/{key[5:]}", value, step)
-            elif key == "phase_ms":
-                for phase, ms in value.items():
-                    self.writer.add_scalar(f"phase_ms/{phase}", ms, step)
+            elif key == "stage_ms":
+                for stage, ms in value.items():
+                    self.writer.add_scalar(f"stage_ms/{stage}", ms, step)
         if "samples_per_sec" in record and self.tokens_per_sample:
             self.writer.add_scalar(SCALARS["tokens_per_sec"], record["samples_per_sec"] * self.tokens_per_sample, step)
         if "loss" in record:  # a training record: the machine's cores since the last one

@@ -1,4 +1,4 @@
-"""A description of the machine a result came from: enough to compare, nothing private."""
+"""What this machine is: its CPU, its instruction sets, whether it computes bfloat16; enough to compare, nothing private."""
 from __future__ import annotations
 
 import platform

@@ -1,4 +1,4 @@
-"""One command-line job: data, model and optimizer from the config, fit, then write the results."""
+"""One command-line job: data, model and optimizer from the config, fit, then the files it writes\n(summary.json, metrics.csv, the weights, a text sample)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,22 +12,23 @@ from typing import Any
 import psutil
 import torch
 
+from ..engine.cluster import Cluster
+from ..engine.machine import describe_machine
+from ..engine.topology import oversubscription
+from ..errors import ConfigError
+from ..report.metrics import ProgressLog
+from ..config import TrainerConfig
+from ..trainer import Trainer
 from .config import RunConfig
-from .data.datasets import load_datasets
-from .engine.cluster import Cluster
-from .engine.topology import oversubscription
-from .errors import ConfigError
+from .datasets import load_datasets
 from .models import build_for, training_parts, uses_torchvision
 from .optim import LRSchedule, build_optimizer, build_scheduler, effective_lr
-from .report.machine import describe_machine
-from .report.metrics import ProgressLog
-from .trainer import Trainer
 
 log = logging.getLogger("sn_trainer")
 
 
-def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sweep_dir: str | None = None,
-        run_name: str | None = None) -> dict[str, Any]:
+def run_job(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sweep_dir: str | None = None,
+            run_name: str | None = None) -> dict[str, Any]:
     """Train and evaluate as ``cfg`` says; write summary.json and metrics.csv into ``out_dir``.
 
     ``sweep_dir``: a multirun's folder (its jobs are one MLflow experiment's runs, kept there);
@@ -39,56 +40,91 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sw
         InputError: anything wrong with the settings, the data or a checkpoint, before training starts.
     """
     out = _writable_dir(out_dir)
-    machine = describe_machine()
-    settings = cfg.trainer
-    if cfg.bench.enabled:
-        # A benchmark job measures bench.steps steps after bench.warmup, and has nothing worth resuming.
-        settings = dataclasses.replace(settings, max_steps=cfg.bench.warmup + cfg.bench.steps,
-                                       measure_after=cfg.bench.warmup, checkpoint_dir=None)
-    if cfg.profile:
-        settings = dataclasses.replace(settings, profile_dir=str(out))
     cluster = Cluster.from_env(os.environ)  # torchrun's environment, read here at the edge
     if uses_torchvision(cfg.model.name):
         import torchvision  # noqa: F401 - before the Trainer: its warm workers then have it imported too
-    trainer = Trainer.from_config(settings, cluster)  # first: its workers warm up while data and model load
+    trainer = Trainer(_job_settings(cfg, out), cluster=cluster)  # first: its workers warm up while data loads
     if cfg.bench.enabled and cfg.bench.skip_oversubscribed:
-        reason = oversubscription(trainer.topology, trainer.workers, settings.threads)
+        reason = oversubscription(trainer.topology, trainer.workers, trainer.settings.threads)
         if reason:
             print(f"skipped: {reason}", flush=True)
-            summary = {"config": resolved, "machine": machine, "skipped": reason}
+            summary = {"config": resolved, "machine": describe_machine(), "skipped": reason}
             _write_json_atomically(out / "summary.json", summary)
             return summary
+    _log_cluster(cluster)
+    data = load_datasets(cfg.dataset)
+    log.info("data: %s (%d train, %d test%s)", data.source, len(data.train), len(data.test),
+             f", vocabulary {data.vocab_size}" if _is_text(data) else f", shape {list(data.sample_shape)}")
+    torch.manual_seed(trainer.settings.seed)
+    model = build_for(cfg.model, data)
+    step_fn, param_groups = training_parts(cfg.model, cfg.optim.weight_decay)
+    total_steps = _announce(cfg, trainer, len(data.train))
+    if cfg.tune and not cfg.bench.enabled:
+        trainer = _tuned(cfg, trainer, model, data.train, step_fn, param_groups)
+    loggers = _loggers(cfg, out, resolved, sweep_dir, run_name, data.block_size if _is_text(data) else None)
+    result = _fit(cfg, trainer, model, data, ProgressLog(out, total_steps), loggers, resolved, step_fn, param_groups,
+                  total_steps)
+    summary = _summary(cfg, resolved, data, result, out, model)
+    _write_json_atomically(out / "summary.json", summary)
+    if "mlflow" in loggers:
+        loggers["mlflow"].close(summary)
+    print(_result_line(result, summary, out), flush=True)
+    return summary
+
+
+def _job_settings(cfg: RunConfig, out: Path) -> TrainerConfig:
+    """The Trainer's settings for this job: a benchmark job measures bench.steps steps after
+    bench.warmup, and has nothing worth resuming; profile=true traces into the output folder."""
+    settings = cfg.trainer
+    if cfg.bench.enabled:
+        settings = dataclasses.replace(settings, max_steps=cfg.bench.warmup + cfg.bench.steps,
+                                       measure_after=cfg.bench.warmup,
+                                       checkpoint=dataclasses.replace(settings.checkpoint, dir=None))
+    if cfg.profile:
+        settings = dataclasses.replace(settings, profile_dir=str(out))
+    return settings
+
+
+def _log_cluster(cluster: Cluster | None) -> None:
     if cluster is not None:
         log.info("node %d of %d (rendezvous %s:%d); gloo between nodes binds to %s", cluster.node_rank,
                  cluster.nodes, cluster.master_addr, cluster.master_port,
                  f"interface {cluster.interface}" if cluster.interface else "the address of this host's name "
                  "(set GLOO_SOCKET_IFNAME to choose an interface)")
-    data = load_datasets(cfg.dataset)
-    text = hasattr(data, "vocab_size")
-    log.info("data: %s (%d train, %d test%s)", data.source, len(data.train), len(data.test),
-             f", vocabulary {data.vocab_size}" if text else f", shape {list(data.sample_shape)}")
-    torch.manual_seed(settings.seed)
-    model = build_for(cfg.model, data)
-    step_fn, param_groups = training_parts(cfg.model, cfg.optim.weight_decay)
-    step_batch = settings.batch_size * settings.accumulate
-    _, total_steps = trainer.steps(len(data.train))
-    placement = trainer.placement
-    lr = effective_lr(cfg.optim, step_batch)
+
+
+def _is_text(data) -> bool:
+    return hasattr(data, "vocab_size")
+
+
+def _announce(cfg: RunConfig, trainer: Trainer, num_samples: int) -> int:
+    """Say what will train, and how long; the total steps."""
+    settings, placement = trainer.settings, trainer.placement
+    _, total_steps = trainer.steps(num_samples)
+    lr = effective_lr(cfg.optim, settings.batch_size * settings.accumulate)
     log.info("training %s: %d workers x %d threads%s, batch %d (%.1f per worker), %d steps, lr %.4g",
-             cfg.model.name, placement.workers, placement.threads,
+             cfg.model.name, settings.workers, settings.threads,
              f" on each of {placement.nodes} nodes" if placement.nodes > 1 else "", settings.batch_size,
              settings.batch_size / placement.global_workers, total_steps, lr)
     _warn_of_a_short_run(cfg, total_steps, lr)
-    if cfg.tune and not cfg.bench.enabled:
-        tuned = trainer.tune(model, data.train, optimizer=build_optimizer(cfg.optim, step_batch), step_fn=step_fn,
-                             param_groups=param_groups)
-        print(tuned.table(), flush=True)
-        settings = dataclasses.replace(settings, workers=tuned.workers, threads=tuned.threads,
-                                       allocator=tuned.allocator, openmp=tuned.openmp)
-        trainer = Trainer.from_config(settings, cluster)
-        placement = trainer.placement
-    progress = ProgressLog(out, total_steps)
-    loggers = _loggers(cfg, out, resolved, sweep_dir, run_name, data.block_size if text else None)
+    return total_steps
+
+
+def _tuned(cfg: RunConfig, trainer: Trainer, model, train_set, step_fn, param_groups) -> Trainer:
+    """tune=true: measure the fastest workers x threads and runtime, print the table, and a
+    Trainer with them."""
+    step_batch = trainer.settings.batch_size * trainer.settings.accumulate
+    tuned = trainer.tune(model, train_set, optimizer=build_optimizer(cfg.optim, step_batch), step_fn=step_fn,
+                         param_groups=param_groups)
+    print(tuned.table(), flush=True)
+    return Trainer(trainer.config, cluster=trainer.cluster, workers=tuned.workers, threads=tuned.threads,
+                   allocator=tuned.allocator, openmp=tuned.openmp)
+
+
+def _fit(cfg: RunConfig, trainer: Trainer, model, data, progress: ProgressLog, loggers: dict[str, Any],
+         resolved: dict[str, Any], step_fn, param_groups, total_steps: int):
+    """``trainer.fit`` with the progress log and the loggers as callbacks, closed however it ends."""
+    step_batch = trainer.settings.batch_size * trainer.settings.accumulate
     try:
         result = trainer.fit(model, data.train, eval_set=None if cfg.bench.enabled else data.test,
                              optimizer=build_optimizer(cfg.optim, step_batch),
@@ -104,59 +140,39 @@ def run(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any], sw
         loggers["tensorboard"].close(_hparams(cfg), {"test_loss": result.eval_loss,
                                                      "test_accuracy": result.eval_accuracy,
                                                      "samples_per_sec": result.samples_per_sec})
-    summary = {
-        "config": resolved,
-        "machine": machine,
-        "data_source": data.source,
-        "model": cfg.model.name,
-        "samples_per_sec": result.samples_per_sec,
-        "per_worker_batch": result.per_worker_batch,
-        "workers": result.workers,
-        "threads": result.threads,
-        "batch_size": result.batch_size,
-        "channels_last": result.channels_last,
-        "comm": result.comm,
-        "precision": result.precision,
-        "plan": result.plan,
-        "steps": result.steps,
-        "measured_steps": result.measured_steps,
-        "train_seconds": result.train_seconds,
-        "compile_seconds": result.compile_seconds,
-        "phase_seconds": result.phase_seconds,
-        "cpu_percent_per_core": result.cpu_percent_per_core,
-        "final_loss": result.final_loss,
-        "test_loss": result.eval_loss,
-        "test_accuracy": result.eval_accuracy,
-        "test_perplexity": math.exp(result.eval_loss) if text and result.eval_loss is not None else None,
-        "test_ema_loss": result.eval_metrics.get("eval_ema_loss"),  # with ema_decay: of the averaged weights
-        "test_ema_accuracy": result.eval_metrics.get("eval_ema_accuracy"),
-        "tokens_per_sec": result.samples_per_sec * data.block_size if text else None,
-        "eval_error": result.eval_error,
-        "other_cpu_percent": result.other_cpu_percent,
-        "peak_memory_bytes": result.peak_memory_bytes,
-        "skipped_steps": result.skipped_steps,
-        "restarts": result.restarts,
-        "last_checkpoint": result.last_checkpoint,
-        "process": _process_hygiene(),
-    }
+    return result
+
+
+def _summary(cfg: RunConfig, resolved: dict[str, Any], data, result, out: Path, model) -> dict[str, Any]:
+    """summary.json: the config, the machine, the data, the result's figures (evaluation's as the
+    test set's), and what the job wrote (weights, a text sample)."""
+    text = _is_text(data)
+    summary = {"config": resolved, "machine": describe_machine(), "data_source": data.source, "model": cfg.model.name,
+               **result.summary(),
+               "test_loss": result.eval_loss, "test_accuracy": result.eval_accuracy,
+               "test_perplexity": math.exp(result.eval_loss) if text and result.eval_loss is not None else None,
+               "test_ema_loss": result.eval_metrics.get("eval_ema_loss"),  # with ema_decay: of the averaged weights
+               "test_ema_accuracy": result.eval_metrics.get("eval_ema_accuracy"),
+               "tokens_per_sec": result.samples_per_sec * data.block_size if text else None,
+               "process": _process_hygiene()}
     if not cfg.bench.enabled:
         summary["weights"] = _write_weights(result, out)
-    if text and not cfg.bench.enabled:
-        summary["sample"] = _write_sample(model, data, out, settings.seed)
-        print(f"sample:\n{summary['sample']}\n", flush=True)
-    _write_json_atomically(out / "summary.json", summary)
-    if "mlflow" in loggers:
-        loggers["mlflow"].close(summary)
-    if text:
+        if text:
+            summary["sample"] = _write_sample(model, data, out, result.settings.seed)
+            print(f"sample:\n{summary['sample']}\n", flush=True)
+    return summary
+
+
+def _result_line(result, summary: dict[str, Any], out: Path) -> str:
+    if summary["tokens_per_sec"] is not None:
         quality = (f"test loss {result.eval_loss:.4f} (perplexity {summary['test_perplexity']:.2f}), "
                    if result.eval_loss is not None else "")
         speed = f"{summary['tokens_per_sec']:.0f} tokens/s"
     else:
         quality = f"test accuracy {result.eval_accuracy:.4f}, " if result.eval_accuracy is not None else ""
         speed = f"{result.samples_per_sec:.0f} samples/s"
-    print(f"{quality}{speed} ({result.workers} workers x {result.threads} threads, batch {result.batch_size}); "
-          f"results in {out}", flush=True)
-    return summary
+    return (f"{quality}{speed} ({result.workers} workers x {result.threads} threads, batch {result.batch_size}); "
+            f"results in {out}")
 
 
 def _warn_of_a_short_run(cfg: RunConfig, total_steps: int, lr: float) -> None:
@@ -194,11 +210,11 @@ def _loggers(cfg: RunConfig, out: Path, resolved: dict[str, Any], sweep_dir: str
     names = cfg.logger if isinstance(cfg.logger, list) else [cfg.logger]
     loggers: dict[str, Any] = {}
     if "tensorboard" in names:
-        from .report.tensorboard import TensorBoardLog
+        from ..report.tensorboard import TensorBoardLog
 
         loggers["tensorboard"] = TensorBoardLog(out, tokens_per_sample=tokens_per_sample)
     if "mlflow" in names:
-        from .report.mlflow_log import MLflowLog, default_uri
+        from ..report.mlflow_log import MLflowLog, default_uri
 
         try:
             import mlflow  # noqa: F401 - installed, or say how to install it

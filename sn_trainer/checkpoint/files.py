@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
 
 FORMAT = "sn_trainer-checkpoint"
 # 3: each worker's random state is torch's, numpy's and Python's streams; 2: torch's alone,

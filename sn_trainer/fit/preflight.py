@@ -17,22 +17,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.batching import in_layout
+from ..data.source import Source
+from ..engine import random_state
+from ..engine.layout import trainable_parameters
+from ..engine.objective import MEAN, Objective, Precision
+from ..engine.phases import PhaseSpec
+from ..engine.schedule import Schedule
+from ..engine.state import group_params
+from ..errors import UserCodeError
 from . import loss_probe
-from .data.batching import in_layout
-from .data.source import Batching, IndexSource, StreamSource, eval_chunks, source_for
-from .engine import random_state
-from .engine.layout import trainable_parameters
-from .engine.objective import MEAN, Objective, Precision
-from .engine.phases import JobPhase
-from .engine.schedule import Schedule
-from .engine.state import group_params
-from .errors import UserCodeError
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
 
 
 @dataclass(frozen=True)
-class PhaseRehearsal:
+class PhaseFindings:
     """What one phase's rehearsal found."""
 
     optimizer_class: type | None  # what the factory builds; None without an optimizer
@@ -42,14 +42,16 @@ class PhaseRehearsal:
 
 
 @dataclass(frozen=True)
-class Rehearsal:
-    phases: tuple[PhaseRehearsal, ...]  # each phase's, in order
+class Findings:
+    """What the rehearsal found: of each phase, and of evaluation."""
+
+    phases: tuple[PhaseFindings, ...]  # each phase's, in order
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how evaluation's loss splits (with no phase to train)
 
 
 @dataclass
-class Script:
+class Rehearsal:
     """What a rehearsal runs: the user's code, and one slice of each dataset, already read."""
 
     model: nn.Module
@@ -58,7 +60,7 @@ class Script:
     eval_batch: Any
     eval_samples: int
     objective: Objective  # evaluation's
-    phases: list[JobPhase]  # what training runs, each phase in turn
+    phases: list[PhaseSpec]  # what training runs, each phase in turn
     precision: str
     channels_last: bool
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
@@ -66,33 +68,33 @@ class Script:
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
 
 
-def script(model: nn.Module, train: "IndexSource | StreamSource | None", train_samples: int, eval_set: Any,
-           eval_collate_fn, eval_samples: int, objective: Objective, phases: list[JobPhase], precision: str,
-           channels_last: bool) -> Script:
+def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
+            eval_samples: int, objective: Objective, phases: list[PhaseSpec], precision: str,
+            channels_last: bool) -> Rehearsal:
     """Read one training slice of ``train_samples`` from the ``train`` source, one evaluation slice
     of ``eval_samples``, and the samples the loss's form is measured on (each collated as the
     workers will). Whether reading the training slice draws from the global random generators is
-    measured (``Script.data_draws_random``), and the generators are left as they were.
+    measured (``Rehearsal.data_draws_random``), and the generators are left as they were.
 
     Raises:
         UserCodeError: a dataset failed to give them.
     """
     with random_state.kept():  # the caller's random streams stay as they were
-        evaluation = _attempt("reading an evaluation batch",
-                              lambda: next(eval_chunks(eval_set, eval_collate_fn, 0, 1, eval_samples, 1))[0]) \
-            if eval_set is not None else None
+        eval_batch = _attempt("reading an evaluation batch",
+                              lambda: next(evaluation.eval_chunks(0, 1, eval_samples, 1))[0]) \
+            if evaluation is not None else None
         draws, batch = False, None
         if train is not None:
             with random_state.kept() as moved:
                 batch = _attempt("reading a training batch", lambda: train.first(train_samples))
             draws = moved()
-        probed = train if train is not None else source_for(eval_set, Batching(1), eval_collate_fn)
+        probed = train if train is not None else evaluation
         group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
-    return Script(model, batch, train_samples, evaluation, eval_samples, objective, phases, precision, channels_last,
-                  group, singles, draws)
+    return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, precision,
+                     channels_last, group, singles, draws)
 
 
-def rehearse(s: Script) -> Rehearsal:
+def rehearse(s: Rehearsal) -> Findings:
     """For each phase in turn: forward, loss and backward on the training slice, the loss's form
     (``loss_probe``, on the weights before the phase's step), an optimizer step and its scheduler;
     then evaluation of the other slice. On a copy of the model, in the modes the user left its
@@ -119,7 +121,7 @@ def rehearse(s: Script) -> Rehearsal:
             if s.train_batch is not None else (None, (), None)
         for p in params:
             p.grad = None
-        phases.append(PhaseRehearsal(optimizer_class, finding, state_keys, monitor))
+        phases.append(PhaseFindings(optimizer_class, finding, state_keys, monitor))
     finding = phases[0].loss if phases else _probe(s, s.objective, replica, "")
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
@@ -129,10 +131,10 @@ def rehearse(s: Script) -> Rehearsal:
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys = tuple(found)
-    return Rehearsal(tuple(phases), eval_keys, finding)
+    return Findings(tuple(phases), eval_keys, finding)
 
 
-def _probe(s: Script, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:
+def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:
     if s.probe_group is None:
         return loss_probe.Finding(MEAN)
     return _attempt(f"{prefix}measuring how the loss splits over samples (eval mode, one sample at a time)",
@@ -140,7 +142,7 @@ def _probe(s: Script, objective: Objective, replica: nn.Module, prefix: str) -> 
                                                [in_layout(b, s.channels_last) for b in s.probe_singles]))
 
 
-def _optimizer_step(phase: JobPhase, params: list[torch.Tensor],
+def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
                     prefix: str) -> tuple[type | None, tuple[str, ...], str | None]:
     """The optimizer's class, the state it keeps per parameter after a step, and the metric its
     scheduler steps on (the scheduler is stepped at each of its points once)."""
@@ -168,12 +170,12 @@ def _optimizer_step(phase: JobPhase, params: list[torch.Tensor],
     return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held})), monitor
 
 
-def rehearse_in_worker(s: Script, send) -> dict[str, Any]:
+def rehearse_in_worker(s: Rehearsal, send) -> dict[str, Any]:
     """``rehearse`` as a worker's target: the launcher then never imports what the user's code
     and torch.optim need (torch.optim's first optimizer imports torch._dynamo, which the warm
     workers' server has imported already)."""
     try:
-        return {"rehearsal": rehearse(s)}
+        return {"findings": rehearse(s)}
     except UserCodeError as exc:
         return {"error": str(exc)}
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine.layout import trainable_parameters
-from .engine.objective import (COUNTED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS, SUM,
+from ..engine.layout import trainable_parameters
+from ..engine.objective import (COUNTED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS, SUM,
                                TOKENS, TOKENS_FROM_LOGITS, Objective, Precision, kept_labels, model_outputs,
                                output_loss, token_cross_entropy)
 

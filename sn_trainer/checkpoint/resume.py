@@ -1,0 +1,138 @@
+"""What a resume needs: where checkpoints go and which one a run goes on from, that checkpoint
+checked against the run (same model, optimizer, sample order, steps left), and each worker's share."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from ..config import TrainerConfig
+from ..engine import state
+from ..engine.cluster import Cluster
+from ..engine.layout import FlatLayout
+from ..engine.phases import PhaseSpec
+from ..errors import CheckpointError, ConfigError
+from . import files
+
+log = logging.getLogger(__name__)
+
+# The settings that decide which samples each step trains on: a resume must agree with them (and
+# with the training set's size), or the steps it trains are not the steps the run would have.
+SAMPLE_ORDER = ("batch_size", "accumulate", "seed", "drop_last")
+
+
+def sample_order(settings: TrainerConfig, dataset_size: int | None) -> dict[str, Any]:
+    """What a checkpoint records, and a resume checks, of the order of the samples."""
+    return {**{name: getattr(settings, name) for name in SAMPLE_ORDER}, "dataset_size": dataset_size}
+
+
+def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.CheckpointDir | None, Path | None]:
+    """Where this run writes checkpoints (None: it writes none here; only the global leader
+    writes), and the checkpoint it resumes from (None: it starts afresh).
+
+    Raises:
+        ConfigError: the checkpoint directory cannot be written.
+        CheckpointError: ``resume`` names nothing to resume from.
+    """
+    where = settings.checkpoint.dir
+    leader = cluster is None or cluster.is_leader
+    directory = files.CheckpointDir(where, settings.checkpoint.keep) if where and leader else None
+    if directory is not None:
+        directory.check_writable()
+    resume_from = files.resolve(settings.resume, where) if settings.resume else None
+    if cluster is not None and resume_from is None and cluster.restart_count > 0 and where:
+        # torchrun restarted every node after a failure: all go on from the last checkpoint in the
+        # (shared) checkpoint directory.
+        resume_from = Path(where) if files.CheckpointDir(where).latest() else None
+    return directory, resume_from
+
+
+class Resumable(Protocol):
+    """What of a resolved run a resume checks a checkpoint against."""
+
+    model: nn.Module
+    layout: FlatLayout
+    phases: list[PhaseSpec]
+    sample_order: dict[str, Any]
+    run_config: dict[str, Any] | None
+
+    @property
+    def optimizers(self) -> list[tuple[type | None, tuple[str, ...]]]:
+        """Each phase's optimizer class and the state it keeps per parameter (None: no optimizer)."""
+
+    @property
+    def total_steps(self) -> int:
+        ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint cut for a launch: the step it reached, the weights' moving average, and each
+    worker's share (its phases' optimizer and scheduler state, its random state, the stream's place)."""
+
+    step: int
+    ema: dict[str, Any] | None
+    shares: list[dict[str, Any]]
+
+
+def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, one_node: bool) -> Resumed:
+    """Load the checkpoint ``target`` names once, check it fits ``run``, load its weights into the
+    model, and cut the rest into each of ``workers`` workers' share.
+
+    Raises:
+        CheckpointError: it cannot be used for this run (another model, optimizer or sample order).
+        ConfigError: it has nothing left to train.
+    """
+    path, saved, passed = files.load_resumable(target)
+    for reason in passed:
+        log.warning("passing over a damaged checkpoint: %s", reason)
+    check_same_run(saved, path, run.sample_order, run.run_config, settings.resume_strict)
+    files.check_model(saved, run.model, path)
+    optimizers, schedules = files.phase_states(saved, [(s.name, s.shape) for s in run.layout.slots],
+                                               len(run.phases), path)
+    for held, (optimizer_class, keys) in zip(optimizers, run.optimizers):
+        if optimizer_class is not None:
+            files.check_optimizer(held, keys, optimizer_class.__name__, path)
+    if saved["step"] >= run.total_steps:
+        raise ConfigError(f"{path} is at step {saved['step']}, and this run has {run.total_steps} steps: nothing "
+                          "left to train; raise epochs or max_steps to go on")
+    same_streams = len(saved["rng"]) == workers and one_node
+    if not same_streams:
+        log.warning("%s was written by %d workers, this run has %d: parameters and optimizer state resume "
+                    "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]), workers)
+    run.model.load_state_dict(saved["model"])
+    log.info("resuming from %s (step %d)", path, saved["step"])
+    if settings.ema_decay is not None and saved.get("ema") is None:
+        log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed", path)
+    stream = (saved.get("run") or {}).get("stream")
+    shares = [{"phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups) if held else {},
+                           "schedule": schedule}
+                          for phase, held, schedule in zip(run.phases, optimizers, schedules)],
+               "rng": saved["rng"][rank] if same_streams else None, "stream": stream}
+              for rank in range(workers)]
+    return Resumed(saved["step"], saved.get("ema"), shares)
+
+
+def check_same_run(saved: dict[str, Any], path, order: dict[str, Any], run_config: dict[str, Any] | None,
+                   strict: bool) -> None:
+    """Refuse (or, not strict, warn about) a checkpoint of another model, dataset or sample order."""
+    if run_config:
+        for section in ("model", "dataset"):
+            theirs = ((saved.get("config") or {}).get(section) or {}).get("name")
+            mine = (run_config.get(section) or {}).get("name")
+            if theirs is not None and mine is not None and theirs != mine:
+                raise CheckpointError(f"{path} was written for {section}={theirs}, this run has {section}={mine}; "
+                                      f"resume with {section}={theirs} or start afresh without resume")
+    for key, mine in order.items():
+        theirs = (saved.get("run") or {}).get(key)
+        if theirs is not None and theirs != mine:
+            what = "training-set size" if key == "dataset_size" else key
+            message = (f"{path} was written with {what} {theirs}, this run has {mine}: the samples of each "
+                       "step would differ from the run it continues")
+            if strict:
+                raise CheckpointError(f"{message}; resume with {key}={theirs}, or set resume_strict=false to go on "
+                                      "anyway")
+            log.warning("%s (resume_strict=false: going on)", message)

@@ -1,0 +1,63 @@
+"""In the launcher: every worker's part of a checkpoint gathered into one file, written when complete."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..callbacks import Callback, Callbacks
+from ..engine import state
+from ..engine.events import CheckpointPart
+from ..engine.launch import unpack
+from ..engine.layout import FlatLayout
+from ..engine.phases import PhaseSpec
+from . import files
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriter(Callback):
+    """A callback of the run: gathers the workers' ``CheckpointPart``s of a step and, when every
+    worker's has come, writes the checkpoint to ``directory`` and tells ``callbacks`` (``on_checkpoint``).
+
+    ``sample_order`` is what a resume must agree with (``checkpoint.resume.sample_order``);
+    ``run_config`` the plain data kept in the file beside it (the command line's config).
+    """
+
+    def __init__(self, directory: files.CheckpointDir | None, layout: FlatLayout, phases: list[PhaseSpec],
+                 sample_order: dict[str, Any], run_config: dict[str, Any] | None, callbacks: Callbacks):
+        self.directory, self.layout, self.phases = directory, layout, phases
+        self.sample_order, self.run_config, self.callbacks = sample_order, run_config, callbacks
+        self._parts: dict[int, dict[int, dict[str, Any]]] = {}
+        self.last_saved: Path | None = None
+
+    def on_checkpoint_part(self, trainer, part: CheckpointPart) -> None:
+        parts = self._parts.setdefault(part.step, {})
+        parts[part.rank] = unpack(part.data)
+        if self.directory is None or len(parts) < self.layout.world_size:
+            return
+        del self._parts[part.step]
+        saved = self._assemble(part.step, [parts[r] for r in range(self.layout.world_size)])
+        try:
+            self.last_saved = self.directory.save(saved)
+        except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from
+            raise OSError(exc.errno, f"cannot write the checkpoint of step {part.step} to {self.directory.path} "
+                                     f"({exc.strerror}); the checkpoints before it are intact") from None
+        log.info("checkpoint: %s", self.last_saved)
+        self.callbacks.call("on_checkpoint", trainer, self.last_saved)
+
+    def _assemble(self, step: int, ordered: list[dict[str, Any]]) -> dict[str, Any]:
+        """One checkpoint from every worker's part, in rank order: each phase's optimizer state per
+        parameter name, the model's, every worker's random state."""
+        optimizers, schedules = [], []
+        for index, phase in enumerate(self.phases):
+            held = [p["phases"][index]["optimizer"] for p in ordered]
+            optimizers.append(state.gather(held, self.layout, phase.slot_groups)
+                              if any(h is not None for h in held) else None)
+            # A plateau scheduler's state: the same in every worker that holds one of this phase's pieces.
+            schedules.append(next((p["phases"][index]["schedule"] for p in ordered
+                                   if p["phases"][index]["schedule"] is not None), None))
+        optimizer, schedule = files.phase_entries(optimizers, schedules)
+        facts = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream")}
+        return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], facts, self.run_config,
+                           schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"))

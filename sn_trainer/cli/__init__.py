@@ -1,0 +1,2 @@
+"""The command line, ``python -m sn_trainer key=value ...``: its settings, its catalogue of datasets,
+models and optimizers by name, and one job (data, model, fit, the files it writes)."""

@@ -1,0 +1,297 @@
+"""What a worker receives (``Launch``, ``WorkerSpec``), and the replica it builds from it: the
+model over the shared parameters, its gradient buffer, its shard of each optimizer, its peers; one
+training step, an evaluation, and its share of a checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.batching import in_layout
+from ..data.feed import Feed
+from ..data.source import Source
+from . import random_state
+from .batchnorm import synchronise
+from .board import Board, StepTotals
+from .cluster import Cluster
+from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
+from .launch import Heartbeats, pack
+from .layout import FlatLayout, tied_aliases
+from .objective import Objective, Precision
+from .phases import PhaseSpec, WorkerPhase
+from .plan import Plan
+from .shared import ReplicaBuffers
+from .signals import StopFlags
+from .stages import StageTimer
+
+
+@dataclass
+class Launch:
+    """What the workers of one launch share. Tensors in it live in shared memory: pickling sends handles."""
+
+    plan: Plan
+    model: nn.Module
+    layout: FlatLayout
+    flat: torch.Tensor
+    train: Source | None  # the training set, as the workers read it
+    evaluation: Source | None  # the evaluation set
+    objective: Objective  # what evaluation computes (the first phase's loss, and the metrics)
+    phases: list[PhaseSpec]  # one optimizer each, updated in turn every step
+    board: Board
+    stop: StopFlags
+    heartbeats: Heartbeats
+    reducer_shared: dict[str, Any]  # what the launcher allocated for each reducer the workers may build
+    ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
+
+
+@dataclass
+class WorkerSpec:
+    rank: int  # within the node
+    store_path: str
+    launch: Launch
+    share: dict[str, Any] | None = None  # this worker's share of a checkpoint: each phase's state, random state
+    cluster: Cluster | None = None  # several nodes under torchrun
+
+
+class Replica:
+    """This worker's model replica, its gradient buffer, its shard of the optimizer and its peers."""
+
+    def __init__(self, spec: WorkerSpec):
+        launch, plan = spec.launch, spec.launch.plan
+        settings, placement = plan.settings, plan.placement
+        self.launch, self.plan, self.rank = launch, plan, spec.rank
+        self.global_rank = placement.node_rank * placement.workers + spec.rank
+        self.global_workers = placement.global_workers
+        self.model, self.layout, self.objective = launch.model, launch.layout, launch.objective
+        self.precision, self.dtype = Precision(settings.precision), launch.flat.dtype
+        self.layout.bind(self.model, launch.flat)
+        # What forward passes call: the model, or (compile) inductor's compilation of it, over the
+        # same parameters; it compiles on its first call (the first step), from the shared cache
+        # where another worker or run compiled it already.
+        self.runner = torch.compile(self.model) if settings.compile else self.model
+        self.params = self.layout.parameters(self.model)
+        self.buffers = ReplicaBuffers(self.model, spec.rank)
+        self.reducer = self._reducer(spec)
+        self.cluster = spec.cluster
+        self.layout.attach_gradients(self.model, self.reducer.grad_flat)
+        self.reducer.watch(self.params, self.layout, settings.accumulate, settings.bucket_kb * 1024)
+        self.used = torch.zeros(len(self.params), dtype=torch.float64)
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=index: self.used.__setitem__(i, 1.0))
+        if settings.sync_batchnorm:
+            synchronise(self.model, self._waiting_sum)
+
+        share = spec.share
+        self.phases = [WorkerPhase(phase, self.layout, spec.rank, launch.flat, self.reducer.shard_grad, plan,
+                                   share["phases"][index] if share else None)
+                       for index, phase in enumerate(launch.phases)]
+        self.lr_used: float | None = None  # by the last step's update
+        if share is not None and share.get("rng") is not None:
+            random_state.restore(share["rng"])  # same workers: same random streams
+        self.feed = None
+        if launch.train is not None:
+            launch.train.resume_at(share.get("stream") if share else None, plan.start_step)
+            self.feed = Feed(launch.train, self.global_rank, self.global_workers, settings.accumulate,
+                             settings.channels_last, plan.total_steps, settings.prefetch)
+
+    def _reducer(self, spec: WorkerSpec) -> Reducer:
+        """The reducer the plan names (comm=auto: the fastest here), and across nodes gloo over it."""
+        settings = self.plan.settings
+        # gloo's own timeout is a backstop behind the launcher's watchdog, which names the worker
+        # that stopped (gloo would name one of those left waiting for it).
+        backstop = 2 * settings.worker_timeout + 30
+        setup = ReducerSetup(spec.rank, self.plan.workers, self.layout.shards[spec.rank], self.layout.padded_numel,
+                             self.dtype, spec.store_path, settings.reduce, backstop)
+        reducer = make_reducer(settings.comm, setup, self.launch.reducer_shared)
+        if spec.cluster is None:
+            return reducer
+        return CrossNodeReducer(reducer, spec.cluster.store(f"shard{spec.rank}"), spec.cluster.node_rank,
+                                spec.cluster.nodes, spec.cluster.device(), backstop)
+
+    def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor over every worker of every node, in place."""
+        return self.reducer.sum_across_nodes(self.reducer.sum_in_node(tensor))
+
+    def _waiting_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``global_sum`` inside a forward or backward pass (batch norm): its wait for the peers is
+        a wait, so that a worker stopped there is not blamed for the peers it waits for."""
+        with self.launch.heartbeats.waiting(self.rank):
+            return self.global_sum(tensor)
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def train_step(self, step: int, timer: StageTimer) -> list[StepTotals]:
+        """One optimizer step, in every worker at once: each phase in turn on the same micro-batches
+        (forward, backward, sum, update of its shards; a barrier before the next phase reads the
+        weights). A phase's update is left out if anything in it is non-finite. Its totals, per phase."""
+        plan = self.plan
+        with timer("data"):
+            micro_batches = self.feed.step(step)
+        phase_totals = []
+        for index, phase in enumerate(self.phases):
+            if index:
+                with timer("wait"):
+                    self.reducer.barrier()  # the previous phase's update is written everywhere
+            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer))
+            if index == 0:
+                self.lr_used = self.current_lr()  # before the scheduler moves it on
+            with timer("update"):
+                if phase_totals[-1].finite:
+                    phase.update(self.reducer.shard_grad, phase_totals[-1].count, phase_totals[-1].unused, step + 1,
+                                 self.reducer.sum_in_node, whole_model=len(self.phases) == 1)
+        with timer("update"):
+            if self.launch.ema is not None:  # this shard's average: 1/W of the work in each worker
+                shard = self.layout.shards[self.rank]
+                self.launch.ema[shard.start : shard.stop].lerp_(self.launch.flat[shard.start : shard.stop],
+                                                               1 - plan.settings.ema_decay)
+        if self.rank == 0:
+            self.launch.stop.decide(step + 1)  # before the barrier: all workers read the same decision
+        with timer("wait"):
+            self.reducer.barrier()  # nobody reads parameters that are still being written
+        return phase_totals
+
+    def phase_step(self, round_: int, phase: WorkerPhase, micro_batches: list[tuple[Any, int]],
+                   timer: StageTimer) -> StepTotals:
+        """Forward and backward of one phase's loss on this worker's micro-batches, and the sum of
+        the gradients over the workers; ``round_`` counts phases over the run (the board's turn)."""
+        # Cleared here, not after the update: with comm=shm, peers read this buffer until the
+        # barrier that closed the previous phase or step.
+        self.reducer.grad_flat.zero_()
+        self.used.zero_()
+        loss_sum = count = 0.0
+        for batch, samples in micro_batches:
+            if samples == 0:
+                continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
+            with timer("forward"):
+                micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
+                                                                      self.dtype)
+            with timer("backward"):
+                micro_loss.backward()
+            loss_sum += micro_loss.item()
+            count += micro_count
+        with timer("reduce"):
+            changed = self.buffers.changed() if self.rank == 0 else None
+            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
+            self.reducer.reduce()
+        totals = self.step_totals(round_, phase.objective)
+        if self.rank != 0:
+            with timer("update"):
+                self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
+        return totals
+
+    def step_totals(self, round_: int, objective: Objective) -> StepTotals:
+        totals = self.launch.board.totals(round_)
+        if self.cluster is not None:  # add the other nodes' losses, counts, checks and use counts
+            totals = self.reducer.sum_across_nodes(totals)
+        totals = self.launch.board.read(totals)
+        if objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
+            return dataclasses.replace(totals, loss_sum=math.nan, finite=False)
+        return totals
+
+    def scheduled_points(self, step_done: int, metrics: dict[str, Any] | None) -> None:
+        """The scheduler's other points after step ``step_done``: an evaluation's ``metrics`` (None:
+        none was made), the end of an epoch."""
+        for schedule in (phase.schedule for phase in self.phases if phase.schedule is not None):
+            if metrics is not None:
+                schedule.after_evaluation(metrics)
+            if step_done % self.plan.steps_per_epoch == 0:
+                schedule.after_epoch(step_done // self.plan.steps_per_epoch, metrics)
+
+    def agree_on_stop(self, step_done: int) -> None:
+        """After an evaluation: worker 0 decides whether the run stops after this step (a callback
+        may have asked), and every worker reads the same decision."""
+        if self.rank == 0:
+            self.launch.stop.decide(step_done)
+        self.reducer.barrier()
+
+    def losses(self, phase_totals: list[StepTotals]) -> list[float]:
+        """Each phase's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""
+        return [totals.loss_sum / totals.count if phase.objective.divides and totals.count > 0 else totals.loss_sum
+                for phase, totals in zip(self.phases, phase_totals)]
+
+    def current_lr(self) -> float | None:
+        """The first phase's learning rate (of its first group)."""
+        return self.phases[0].lr()
+
+    # --- evaluation and state ------------------------------------------------------------------
+
+    def evaluate(self, beat: Callable[[str], None]) -> dict[str, Any]:
+        """``eval_*`` of the weights, and, with ema_decay, ``eval_ema_*`` of their moving average
+        (the model's parameters pointed at it for the while)."""
+        metrics = self.evaluate_weights(beat)
+        if self.launch.ema is None or "eval_error" in metrics:
+            return metrics
+        self.layout.bind(self.model, self.launch.ema)
+        try:
+            averaged = self.evaluate_weights(beat)
+        finally:
+            self.layout.bind(self.model, self.launch.flat)
+        if "eval_error" in averaged:
+            return {**metrics, "eval_error": averaged["eval_error"]}
+        return {**metrics, **{f"eval_ema_{k[5:]}": v for k, v in averaged.items() if k != "eval_samples"}}
+
+    @torch.no_grad()
+    def evaluate_weights(self, beat: Callable[[str], None]) -> dict[str, Any]:
+        """Exact loss and metrics over the whole evaluation set, each worker taking a slice.
+
+        A failure in any worker's evaluation is reported, not raised: the training is kept. Every
+        module is put back in the mode it was in (a frozen backbone stays in eval mode).
+        """
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        if self.rank != 0:
+            self.buffers.adopt()
+        keys = self.objective.eval_keys
+        sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
+        error = None
+        try:
+            settings = self.plan.settings
+            for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
+                                                                     settings.eval_batch_size,
+                                                                     settings.max_eval_batches):
+                beat("eval")
+                batch = in_layout(batch, settings.channels_last)
+                found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
+                for k, key in enumerate(keys):
+                    value_sum, value_count = found.get(key, (0.0, 0.0))
+                    sums[2 * k] += value_sum
+                    sums[2 * k + 1] += value_count
+                sums[-2] += samples
+        except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet below
+            error = traceback.format_exc()
+            sums[-1] += 1
+        beat("sync")
+        self.global_sum(sums)
+        for module, training in modes:
+            module.training = training
+        if sums[-1] > 0:
+            return {"eval_error": error or "evaluation failed in another worker"}
+        result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
+        for k, key in enumerate(keys):
+            if sums[2 * k + 1] > 0:
+                result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item()
+        return result
+
+    def state_part(self, step_done: int) -> bytes:
+        """What this worker contributes to a checkpoint: its optimizer's state, its random state
+        (and, from worker 0, the model's and where the stream goes on after step ``step_done``), as
+        tensors and plain data."""
+        part = {"rank": self.rank, "phases": [phase.state() for phase in self.phases], "rng": random_state.capture()}
+        if self.rank == 0:
+            part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
+                             for k, v in self.model.state_dict().items()}
+            part["ema"] = self.layout.by_name(self.launch.ema) if self.launch.ema is not None else None
+            part["aliases"] = tied_aliases(self.model)
+            part["stream"] = self.launch.train.position(step_done) if self.launch.train is not None else None
+        return pack(part)
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        self.reducer.close()

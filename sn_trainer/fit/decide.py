@@ -1,0 +1,164 @@
+"""Every ``auto`` decided, in one place: what the machine gives for the settings (workers, threads,
+runtime, start method, precision, reducer) and what the model makes of them (memory layout,
+compile, shards, prefetch). Each decision is a value of the settings themselves
+(``dataclasses.replace``), so the run reports what it used as the settings it ran with."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from .. import tuner
+from ..config import TrainerConfig
+from ..engine.cluster import Cluster
+from ..engine.comm import REDUCERS
+from ..engine.launch import starts_warm
+from ..engine.machine import bf16_supported
+from ..engine.plan import Placement
+from ..engine.runtime import Runtime
+from ..engine.topology import Topology, auto_workers, plan_pinning
+from ..errors import ConfigError
+from ..optim import shard_kind
+
+log = logging.getLogger(__name__)
+
+SHARD_KINDS = ("elements", "tensors", "full")  # each exact for the optimizers the ones before it are
+
+
+def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
+          tuned: dict[str, Any] | None = None) -> tuple[TrainerConfig, Placement]:
+    """The settings with the machine's choices decided, and where the workers go (``tuned``: the
+    cached choice for a model, where workers, allocator or openmp are auto).
+
+    Raises:
+        ConfigError: settings this machine cannot run (a batch smaller than the workers, an
+            unknown reducer, a runtime library that is not installed).
+    """
+    nodes = cluster.nodes if cluster else 1
+    threads = tuned["threads"] if tuned and config.workers == "auto" else config.threads
+    workers = (tuned["workers"] if tuned else auto_workers(topology, threads)) if config.workers == "auto" \
+        else config.workers
+    if config.batch_size < workers * nodes:
+        raise ConfigError(f"batch_size={config.batch_size} is smaller than workers={workers}"
+                          f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
+                          "sample; raise batch_size or lower workers")
+    notes: list[str] = []
+    precision = config.precision
+    if precision == "bf16" and not bf16_supported():
+        notes.append("precision=bf16 asked for, fp32 ran: this CPU has no native bfloat16 (avx512_bf16 or AMX), "
+                     "and emulated bf16 is slower here than fp32")
+        precision = "fp32"
+    runtime = Runtime(config.allocator if config.allocator != "auto" else (tuned or {}).get("allocator", "system"),
+                      config.openmp if config.openmp != "auto" else (tuned or {}).get("openmp", "gnu"))
+    runtime.libraries()  # installed, or say how to install them
+    start_method = config.start_method
+    if start_method == "forkserver" and not starts_warm(start_method, runtime):
+        notes.append(f"{runtime}: this process's warm workers run another allocator or OpenMP, so these "
+                     "workers were spawned (cold) with it")
+        start_method = "spawn"
+    comm = reducer(config.comm, workers, notes)
+    for note in notes:
+        log.warning(note)
+    settings = dataclasses.replace(config, workers=workers, threads=threads, precision=precision, comm=comm,
+                                   allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
+    return settings, Placement(tuple(plan_pinning(topology, workers, threads)), nodes,
+                               cluster.node_rank if cluster else 0, tuple(notes))
+
+
+def reducer(comm: str, workers: int, notes: list[str]) -> str:
+    """What ``comm`` runs with ``workers`` workers here: ``local`` for one, a registered reducer's
+    name, or ``auto`` (the workers time the candidates at start-up); a fallback goes in ``notes``.
+
+    Raises:
+        ConfigError: no reducer of that name, or ``local`` for several workers.
+    """
+    if comm != "auto" and comm not in REDUCERS:
+        raise ConfigError(f"comm must be one of auto, {', '.join(REDUCERS)}, got {comm!r}")
+    if workers == 1:
+        return "local"
+    if comm == "local":
+        raise ConfigError(f"comm=local sums nothing: it is one worker's; with workers={workers} use auto, "
+                          f"{', '.join(name for name in REDUCERS if name != 'local')}")
+    why = REDUCERS[comm].unavailable() if comm != "auto" else None
+    if why:
+        fallback = REDUCERS[comm].fallback
+        notes.append(f"comm={comm} asked for, {fallback} ran: {why}")
+        return fallback
+    return comm
+
+
+def tuned_for(config: TrainerConfig, cluster: Cluster | None, model: nn.Module) -> dict[str, Any] | None:
+    """What tuning cached for this model and batch, where workers, allocator or openmp are auto."""
+    autos = [name for name in ("workers", "allocator", "openmp") if getattr(config, name) == "auto"]
+    if not autos or cluster is not None:
+        return None
+    entry = tuner.load(tune_key(config, model))
+    if entry is not None:
+        log.info("%s: the tuned setting measured %s (%.0f samples/s): %d workers x %d threads, %s (%s)",
+                 ", ".join(f"{name}=auto" for name in autos), entry["measured_at"], entry["samples_per_sec"],
+                 entry["workers"], entry["threads"], Runtime(entry["allocator"], entry["openmp"]),
+                 tuner.cache_path())
+    return entry
+
+
+def tune_key(config: TrainerConfig, model: nn.Module) -> str:
+    """Where tuning caches its choice for this model at this batch, accumulation and precision."""
+    return tuner.cache_key(model, config.batch_size, config.accumulate, config.precision)
+
+
+def channels_last_helps(model: nn.Module) -> bool:
+    """``channels_last=auto``: on for models with convolution (4-d) weights and no batch norm.
+
+    oneDNN runs channels-last convolutions and pooling fastest on CPUs (results/.../layout.md);
+    with batch norm the measured gain does not pay for its less accurate reductions there
+    (results/.../batchnorm_layout.md).
+    """
+    has_conv = any(p.dim() == 4 for p in model.parameters() if p.requires_grad)
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return has_conv and not has_bn
+
+
+def for_model(settings: TrainerConfig, model: nn.Module) -> TrainerConfig:
+    """The settings with the model's layout and compile decided: as set, or for ``auto`` what suits
+    the model (channels_last) and what tuning measured faster for it (compile; eager where it
+    measured nothing)."""
+    channels_last = settings.channels_last if isinstance(settings.channels_last, bool) else channels_last_helps(model)
+    return dataclasses.replace(settings, channels_last=channels_last, compile=_compile(settings, model))
+
+
+def _compile(settings: TrainerConfig, model: nn.Module) -> bool:
+    if settings.compile != "auto":
+        return settings.compile
+    entry = tuner.load(tune_key(settings, model))
+    rates = (entry or {}).get("compile_rates") or {}
+    if not rates:
+        log.info("compile=auto: eager, as tuning measured no compiled run of this model and batch "
+                 "(Trainer.tune with compile=auto, or tune=true, measures one)")
+        return False
+    log.info("compile=auto: %s (tuning measured %.0f samples/s compiled, %.0f eager)",
+             "compiled" if rates["compiled"] > rates["eager"] else "eager", rates["compiled"], rates["eager"])
+    return rates["compiled"] > rates["eager"]
+
+
+def for_data(settings: TrainerConfig, draws_random: bool, optimizer_classes: list[type | None]) -> TrainerConfig:
+    """The settings with prefetch and shards decided: prefetch=auto reads ahead where reading the
+    training set draws no global random numbers (a thread drawing them beside the model's dropout
+    would change which numbers each gets); shards=auto takes the kind every phase's optimizer is
+    proven exact with (``optim.shard_kind``), the most general of them.
+
+    Raises:
+        ConfigError: prefetch=true for data that draws from the global generators.
+    """
+    if draws_random and settings.prefetch is True:
+        raise ConfigError("prefetch=true, and reading train_set draws from torch's, numpy's or random's global "
+                          "random generator (augmentation): read ahead in a thread, its draws would interleave "
+                          "with the model's; draw from a generator of the dataset's own, e.g. torch.Generator()"
+                          ".manual_seed(hash((seed, epoch, index))) with set_epoch(epoch), or set prefetch=auto")
+    if draws_random and settings.prefetch == "auto":
+        log.info("prefetch=auto: off, as reading train_set draws global random numbers (augmentation); a "
+                 "dataset that draws from generators of its own is read ahead")
+    kind = max((shard_kind(c, settings.shards) for c in optimizer_classes), key=SHARD_KINDS.index,
+               default="elements")
+    return dataclasses.replace(settings, prefetch=bool(settings.prefetch) and not draws_random, shards=kind)

@@ -1,0 +1,390 @@
+"""A fit resolved before any worker starts: the user's code checked and rehearsed on one micro-batch,
+every ``auto`` decided, and one frozen ``Run`` that every launch of the workers repeats."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import logging
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.files import CheckpointDir
+from ..checkpoint.resume import locate, sample_order
+from ..config import TrainerConfig
+from ..data.sampler import slice_bounds, steps_per_epoch
+from ..data.source import Source, make_source
+from ..engine import random_state
+from ..engine.cluster import Cluster
+from ..engine.launch import WorkerPickler, launch
+from ..engine.layout import FlatLayout, trainable_parameters
+from ..engine.objective import MEAN, Objective
+from ..engine.phases import PhaseSpec
+from ..engine.plan import Placement, Plan
+from ..engine.runtime import Runtime
+from ..errors import ConfigError, UserCodeError
+from ..optim import resolve_groups
+from ..phase import Phase
+from . import decide, preflight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FitInputs:
+    """What ``Trainer.fit`` (or ``evaluate``) was given: the user's model, data and code."""
+
+    model: nn.Module
+    train_set: Any = None  # None: evaluate only
+    eval_set: Any = None
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    step_fn: Callable[[nn.Module, Any], Any] | None = None
+    metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None
+    param_groups: Callable[[nn.Module], Any] | None = None
+    phases: list[Phase] | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    eval_collate_fn: Callable[[list], Any] | None = None
+    run_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One fit, resolved: what every launch of its workers (the first, and each restart) runs."""
+
+    model: nn.Module
+    train: Source | None  # None: evaluation only
+    evaluation: Source | None
+    objective: Objective  # evaluation's
+    phases: list[PhaseSpec]  # training's: one optimizer each
+    layout: FlatLayout
+    findings: preflight.Findings
+    first_plan: Plan  # from step 0
+    checkpoints: CheckpointDir | None  # where this process writes them (None: nowhere)
+    resume_from: Path | None
+    sample_order: dict[str, Any]  # what a resume must agree with
+    run_config: dict[str, Any] | None
+    initial_state: dict[str, torch.Tensor]  # a restart without a checkpoint starts over from it
+
+    def plan(self, start_step: int) -> Plan:
+        return dataclasses.replace(self.first_plan, start_step=start_step)
+
+    @property
+    def settings(self) -> TrainerConfig:
+        return self.first_plan.settings
+
+    @property
+    def total_steps(self) -> int:
+        return self.first_plan.total_steps
+
+    @property
+    def optimizers(self) -> list[tuple[type | None, tuple[str, ...]]]:
+        return [(found.optimizer_class, found.optimizer_state_keys) for found in self.findings.phases]
+
+
+def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement, cluster: Cluster | None) -> Run:
+    """Check everything, rehearse the user's code on one micro-batch, and decide every setting of
+    the run once (``settings`` have the machine's choices decided already).
+
+    Raises:
+        ConfigError, DataError, CheckpointError, UserCodeError: before any worker starts.
+    """
+    model = given.model
+    objective = _objective(given)
+    train, evaluation = _sources(given, settings, objective)
+    per_epoch, total_steps = steps_of(settings, train)
+    if settings.measure_after >= total_steps:
+        raise ConfigError(f"measure_after={settings.measure_after} leaves none of the {total_steps} steps to "
+                          "measure; lower it or train longer")
+    _check_model(model)
+    phases = resolve_phases(model, given, objective)
+    _check_sendable(given, objective, phases)
+    settings = decide.for_model(settings, model)
+    rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
+                                  evaluation, settings.eval_batch_size, objective, phases, settings.precision,
+                                  settings.channels_last)
+    findings = rehearse(rehearsal, settings)
+    _settle_losses(objective, phases, findings, placement.global_workers * settings.accumulate > 1, evaluation)
+    settings = decide.for_data(settings, rehearsal.data_draws_random, [f.optimizer_class for f in findings.phases])
+    _check_combinations(settings, placement, train.size)
+    checkpoints, resume_from = locate(settings, cluster)
+    if cluster is not None:
+        agree_with_other_nodes(cluster, placement.workers)
+    plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
+                total_steps=total_steps, start_step=0, loss_form=objective.form,
+                phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
+                evaluates=evaluation is not None, evaluate_only=False, checkpointing=checkpoints is not None)
+    return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
+               layout=FlatLayout(model, placement.workers, settings.channels_last, settings.shards),
+               findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,
+               sample_order=sample_order(settings, train.size), run_config=given.run_config,
+               initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Placement) -> Run:
+    """An evaluation of ``given.model`` on ``given.eval_set``, resolved as a fit is, with no training.
+
+    Raises:
+        ConfigError, DataError, UserCodeError: before any worker starts.
+    """
+    objective = _objective(given)
+    evaluation = make_source(given.eval_set, "dataset", settings, given.eval_collate_fn,
+                             _accepts(objective, given.model, given.eval_collate_fn))
+    _check_sendable(given, objective, [])
+    settings = decide.for_model(settings, given.model)
+    findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
+                                          settings.precision, settings.channels_last), settings)
+    objective.eval_keys = findings.eval_keys
+    objective.form = findings.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
+    # What only training uses stays out: no accumulation, no moving average, no batch-norm sums.
+    settings = dataclasses.replace(settings, accumulate=1, drop_last=True, shards="elements", prefetch=False,
+                                   ema_decay=None, sync_batchnorm=False)
+    plan = Plan(settings=settings, placement=placement, dataset_size=evaluation.size, steps_per_epoch=1,
+                total_steps=0, start_step=0, loss_form=objective.form, phase_forms=(), evaluates=True,
+                evaluate_only=True, checkpointing=False)
+    return Run(model=given.model, train=None, evaluation=evaluation, objective=objective, phases=[],
+               layout=FlatLayout(given.model, placement.workers, settings.channels_last), findings=findings,
+               first_plan=plan, checkpoints=None, resume_from=None, sample_order={}, run_config=None,
+               initial_state={})
+
+
+def steps(settings: TrainerConfig, num_samples: int) -> tuple[int, int]:
+    """Optimizer steps per epoch and in all, for a training set of ``num_samples``.
+
+    Raises:
+        ConfigError: the set is smaller than one step's batch (with drop_last).
+    """
+    per_epoch = steps_per_epoch(num_samples, settings.batch_size, settings.accumulate, settings.drop_last)
+    if per_epoch == 0:
+        raise ConfigError(f"train_set has {num_samples} samples, fewer than one step's batch of "
+                          f"batch_size x accumulate = {settings.batch_size * settings.accumulate}; lower batch_size "
+                          "or set drop_last=false")
+    return per_epoch, settings.max_steps if settings.max_steps is not None else settings.epochs * per_epoch
+
+
+def steps_of(settings: TrainerConfig, source: Source) -> tuple[int, int]:
+    """``steps`` for a source; a stream without a length is one epoch of max_steps steps.
+
+    Raises:
+        ConfigError: a stream without a length and no max_steps.
+    """
+    if source.size is not None:
+        return steps(settings, source.size)
+    if settings.max_steps is None:
+        raise ConfigError("train_set is a stream without a length (no __len__): set max_steps=..., the number of "
+                          "optimizer steps to train; epochs need a length")
+    return settings.max_steps, settings.max_steps
+
+
+def rehearse(rehearsal: preflight.Rehearsal, settings: TrainerConfig) -> preflight.Findings:
+    """The user's code on one micro-batch, before any worker starts: in a warm worker (so that this
+    process never imports what torch.optim needs), else here.
+
+    Raises:
+        UserCodeError: any of it failed; the message carries the user's traceback.
+    """
+    if settings.start_method != "forkserver":
+        return preflight.rehearse(rehearsal)
+    (outcome,) = launch(preflight.rehearse_in_worker, [rehearsal], start_method=settings.start_method,
+                        runtime=Runtime(settings.allocator, settings.openmp))
+    if "error" in outcome:
+        raise UserCodeError(outcome["error"])
+    return outcome["findings"]
+
+
+def resolve_phases(model: nn.Module, given: FitInputs, objective: Objective) -> list[PhaseSpec]:
+    """The run's phases, resolved against the model: one from fit's own arguments, or each Phase's.
+
+    Raises:
+        ConfigError: a phase's parameters are not the model's, or a parameter is in two phases.
+    """
+    trainable = [p for _, p in trainable_parameters(model)]
+    if not given.phases:
+        groups = resolve_groups(model, trainable, given.param_groups)
+        return [_phase_spec("train", objective, groups, given.optimizer, given.scheduler)]
+    resolved, owner = [], {}
+    for index, phase in enumerate(given.phases):
+        if not isinstance(phase, Phase):
+            raise ConfigError(f"phases must be sn_trainer.Phase objects, got {type(phase).__name__}")
+        name = phase.name or f"phase{index}"
+        groups = resolve_groups(model, trainable, phase.params)
+        for slot, group in enumerate(groups.slot_groups):
+            if group is not None:
+                if slot in owner:
+                    raise ConfigError(f"a parameter of shape {tuple(trainable[slot].shape)} is in phases "
+                                      f"{owner[slot]!r} and {name!r}; each parameter may be in one phase only")
+                owner[slot] = name
+        phase_objective = objective if index == 0 else Objective(step_fn=phase.step_fn)
+        resolved.append(_phase_spec(name, phase_objective, groups, phase.optimizer, phase.scheduler))
+    return resolved
+
+
+def _phase_spec(name: str, objective: Objective, groups, optimizer, scheduler) -> PhaseSpec:
+    """One phase with its optimizer factory: as given, else the class of the optimizer the groups
+    came as, else SGD(lr=0.01)."""
+    factory = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
+    return PhaseSpec(name, objective, factory, groups.options, groups.slot_groups, scheduler)
+
+
+def _objective(given: FitInputs) -> Objective:
+    """Evaluation's objective (and the first phase's): fit's loss or step function, or the first Phase's.
+
+    Raises:
+        ConfigError: both loss_fn and step_fn, or phases with fit's own step, optimizer or scheduler.
+    """
+    if given.phases:
+        both = [name for name in ("loss_fn", "step_fn", "optimizer", "scheduler", "param_groups")
+                if getattr(given, name)]
+        if both:
+            raise ConfigError(f"give phases or {', '.join(both)}, not both: each Phase brings its step_fn, "
+                              "params, optimizer and scheduler")
+        return Objective(step_fn=given.phases[0].step_fn, metric_fn=given.metric_fn)
+    if given.loss_fn is not None and given.step_fn is not None:
+        raise ConfigError("give loss_fn or step_fn, not both: step_fn computes the loss itself")
+    return Objective(given.loss_fn, given.step_fn, given.metric_fn)
+
+
+def _accepts(objective: Objective, model: nn.Module, collate_fn) -> Callable[[Any], str | None]:
+    """What make_source asks of a dataset's items: the objective's check, or, with a collate
+    function, nothing (its batches are what the objective gets; the preflight runs them)."""
+    return (lambda item: None) if collate_fn is not None else (lambda item: objective.accepts(item, model))
+
+
+def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) -> tuple[Source, Source | None]:
+    """The training set's source and the evaluation set's, each checked on its first item."""
+    eval_collate_fn = given.eval_collate_fn if given.eval_collate_fn is not None else given.collate_fn
+    with random_state.kept():  # reading first items leaves the caller's random streams as they were
+        train = make_source(given.train_set, "train_set", settings, given.collate_fn,
+                            _accepts(objective, given.model, given.collate_fn))
+        evaluation = make_source(given.eval_set, "eval_set", settings, eval_collate_fn,
+                                 _accepts(objective, given.model, eval_collate_fn)) \
+            if given.eval_set is not None else None
+    return train, evaluation
+
+
+def _check_model(model: nn.Module) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
+    if not any(module.training for module in model.modules()):
+        log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
+                    "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
+                    "before fit to train with them")
+
+
+class _TensorFreePickler(WorkerPickler):
+    """Pickles everything but tensors, as a launch is pickled: enough to tell whether an object can
+    reach a worker (lambdas, local functions and what a notebook defines can)."""
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) else None
+
+
+def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSpec]) -> None:
+    """Everything the workers receive can be pickled to them.
+
+    Raises:
+        ConfigError: names what cannot, and why.
+    """
+    training = given.train_set is not None  # else evaluate(dataset, collate_fn=...) was called
+    named = [(given.model, "the model"), (objective, "the loss, step or metric function"),
+             (given.train_set, "train_set"), (given.eval_set, "eval_set" if training else "dataset"),
+             (given.collate_fn, "collate_fn"), (given.eval_collate_fn, "eval_collate_fn" if training else "collate_fn")]
+    for phase in phases:
+        where = f"phase {phase.name!r}: " if given.phases else ""
+        named += [(phase.objective, where + "the step function"), (phase.optimizer, where + "the optimizer factory"),
+                  (phase.scheduler, where + "the scheduler factory"),
+                  (phase.group_options, where + "the parameter groups' options")]
+    for obj, what in named:
+        try:
+            _TensorFreePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except Exception as exc:  # noqa: BLE001 - pickling fails in many ways; all mean the same here
+            raise ConfigError(
+                f"{what} cannot be sent to a worker process ({exc}); it holds something no process can receive "
+                "(an open file, a lock, a generator, a socket): create it in the worker, e.g. lazily on first use"
+            ) from None
+
+
+def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: preflight.Findings, splits: bool,
+                   evaluation: Source | None) -> None:
+    """Each phase's loss form (refused where it has no exact split and the run splits it), what
+    evaluation reports, and that a scheduler's monitored metric is among it."""
+    objective.eval_keys = findings.eval_keys
+    for phase, found in zip(phases, findings.phases):
+        phase.objective.form = _loss_form(found.loss, phase.objective, splits)
+        _check_monitor(found.schedule_monitor, objective.eval_keys, evaluation)
+
+
+def _loss_form(finding, objective: Objective, splits: bool) -> str:
+    """The form a scalar loss is split by; a loss with no exact split is refused where it splits.
+
+    Raises:
+        ConfigError: the loss cannot be split exactly, and the run splits it (workers or accumulate).
+    """
+    if finding.form is not None:
+        return finding.form
+    if not splits:
+        return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
+    raise ConfigError(
+        f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}. Return "
+        "(loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss "
+        "divides by, e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), "
+        "(targets != -100).sum()), or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model needs "
+        "no step_fn: sn_trainer calls it and counts its labels)")
+
+
+def _check_monitor(monitor: str | None, eval_keys: tuple[str, ...], evaluation: Source | None) -> None:
+    """A scheduler that steps on an evaluation metric needs an evaluation that reports it.
+
+    Raises:
+        ConfigError: no evaluation set, or one whose evaluation does not report ``monitor``.
+    """
+    if monitor is None:
+        return
+    if evaluation is None:
+        raise ConfigError(f"the scheduler steps on {monitor} after each evaluation, and this run evaluates nothing: "
+                          "pass eval_set=..., or a scheduler that steps per step or epoch")
+    reported = [f"eval_{key}" for key in eval_keys]
+    if monitor not in reported:
+        raise ConfigError(f"the scheduler steps on {monitor}, which evaluation does not report (it reports "
+                          f"{', '.join(reported)}); set its monitor to one of those")
+
+
+def _check_combinations(settings: TrainerConfig, placement: Placement, dataset_size: int | None) -> None:
+    """Settings that each work, and together cannot.
+
+    Raises:
+        ConfigError: reduce_scatter with shards that are not equal slices; sync_batchnorm with a
+            last micro-batch too small for every worker.
+    """
+    workers = placement.global_workers
+    if settings.shards != "elements" and settings.comm != "local" and settings.reduce == "reduce_scatter":
+        raise ConfigError(f"reduce=reduce_scatter needs elementwise shards (equal slices), and this run's are "
+                          f"shards={settings.shards}; use reduce=all_reduce")
+    if settings.sync_batchnorm and not settings.drop_last and dataset_size is not None:
+        rest = dataset_size % (settings.batch_size * settings.accumulate) % settings.batch_size
+        if 0 < rest < workers:
+            raise ConfigError(f"sync_batchnorm with drop_last=false: the last micro-batch of an epoch has "
+                              f"{rest} samples, fewer than the {workers} workers, and every worker must take "
+                              "part in each batch norm; set drop_last=true or change batch_size")
+
+
+def agree_with_other_nodes(cluster: Cluster, workers: int) -> None:
+    """Every node must run the same number of workers: the shards and the batch split depend on it.
+
+    Raises:
+        ConfigError: another node runs another number.
+    """
+    store = cluster.store("nodes")
+    store.set(f"workers/{cluster.node_rank}", str(workers))
+    for node in range(cluster.nodes):
+        theirs = int(store.get(f"workers/{node}"))
+        if theirs != workers:
+            raise ConfigError(f"node {node} runs {theirs} workers, this node {workers}: every node needs "
+                              "the same workers=... (set it explicitly rather than auto)")

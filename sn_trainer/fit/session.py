@@ -1,0 +1,179 @@
+"""The workers' launches for one run: the first, and after a failure a restart of all of them from
+the last checkpoint (up to ``max_restarts``). What the workers of a launch share is allocated here,
+before they start, and given back when they are gone."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from ..callbacks import Callback, Callbacks
+from ..checkpoint.resume import Resumed, resume
+from ..checkpoint.writer import CheckpointWriter
+from ..engine.batchnorm import max_channels
+from ..engine.board import Board
+from ..engine.cluster import Cluster
+from ..engine.comm import REDUCERS, auto_candidates
+from ..engine.events import WorkerResult
+from ..engine.launch import Heartbeats, Watchdog, launch
+from ..engine.memory import PeakMemory
+from ..engine.plan import Plan
+from ..engine.replica import Launch, WorkerSpec
+from ..engine.shared import SharedParams, buffer_count
+from ..engine.signals import StopFlags, graceful_stop
+from ..engine.worker import run_worker
+from ..errors import TrainingInterrupted, WorkerFailed
+from .resolve import Run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The launch that finished: its plan, every worker's result, and what it cost."""
+
+    plan: Plan
+    results: list[WorkerResult]
+    peak_bytes: int  # the largest PSS of the workers together, sampled while they ran
+    launcher_cpu: float  # CPU seconds this process spent meanwhile
+    restarts: int
+    ema_state_dict: dict[str, torch.Tensor] | None = None
+
+
+class StopRequests(Callback):
+    """What the run's callbacks ask of the workers, passed on through the shared flags: a stop
+    (``trainer.should_stop``), a checkpoint of the step just evaluated (``trainer.should_checkpoint``).
+    The last of a run's callbacks: it reads what the others decided about each event."""
+
+    def __init__(self, stop: StopFlags):
+        self.stop = stop
+
+    def on_step_end(self, trainer, record) -> None:
+        self._pass_on(trainer)
+
+    def on_checkpoint_part(self, trainer, part) -> None:
+        self._pass_on(trainer)
+
+    def on_eval_end(self, trainer, evaluation) -> None:
+        if trainer.should_checkpoint:
+            self.stop.save_at(evaluation.step)
+            trainer.should_checkpoint = False
+        self._pass_on(trainer)
+        self.stop.acknowledge(evaluation.step)  # worker 0 waits for this, then the workers go on
+
+    def _pass_on(self, trainer) -> None:
+        if trainer.should_stop:
+            self.stop.ask()
+
+
+def train(run: Run, trainer, callbacks: Callbacks, writer: CheckpointWriter, stop: StopFlags,
+          cluster: Cluster | None) -> Outcome:
+    """Launch the workers; when one fails, restart all from the last checkpoint, up to
+    ``max_restarts`` times. ``callbacks`` get every event the workers send (``trainer`` is what
+    they are called with).
+
+    Raises:
+        WorkerFailed: after the last restart; TrainingInterrupted: a signal asked to stop.
+    """
+    restarts, resume_from = 0, run.resume_from
+    stop.reset()
+    with graceful_stop(stop):
+        while True:
+            resumed = resume(resume_from, run, run.settings, run.first_plan.workers, cluster is None) \
+                if resume_from else None
+            plan = run.plan(resumed.step if resumed else 0)
+            try:
+                launcher_cpu = -own_cpu_seconds()
+                results, peak, ema = launch_workers(run, plan, stop, cluster,
+                                                    lambda rank, event: callbacks.event(trainer, event), resumed)
+                return Outcome(plan, results, peak, launcher_cpu + own_cpu_seconds(), restarts, ema)
+            except WorkerFailed as failure:
+                if stop.signal:  # asked to stop: a restart would resurrect the run
+                    raise TrainingInterrupted(stop.signal, None, writer.last_saved) from failure
+                if restarts >= run.settings.max_restarts:
+                    raise
+                restarts += 1
+                latest = run.checkpoints.latest() if run.checkpoints else None
+                log.warning("%s\nrestart %d of %d, from %s", failure, restarts, run.settings.max_restarts,
+                            latest or resume_from or "the initial parameters")
+                if latest is not None:
+                    resume_from = run.checkpoints.path
+                elif resume_from is None:
+                    run.model.load_state_dict(run.initial_state)
+                stop.clear_for_restart()
+
+
+def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | None, deliver=None,
+                   resumed: Resumed | None = None, target=run_worker
+                   ) -> tuple[list[Any], int, dict[str, torch.Tensor] | None]:
+    """One launch: the parameters put in shared memory, everything the workers share allocated,
+    ``target`` run in every worker (``deliver(rank, event)`` gets what they send), and the
+    parameters handed back to the caller's model as private memory.
+
+    Returns:
+        Every worker's result, the peak memory of them all, the moving average's state_dict (ema_decay).
+    """
+    rendezvous = rendezvous_dir()
+    shared = SharedParams(run.model, run.layout, ema=plan.settings.ema_decay is not None,
+                          ema_values=resumed.ema if resumed else None)
+    try:
+        for source in (run.train, run.evaluation):
+            if source is not None:
+                source.share_memory()
+        heartbeats = Heartbeats.allocate(plan.workers)
+        shares = Launch(plan=plan, model=run.model, layout=run.layout, flat=shared.flat, train=run.train,
+                        evaluation=run.evaluation, objective=run.objective, phases=run.phases,
+                        board=Board.allocate(plan.workers, len(run.layout.slots), buffer_count(run.model)),
+                        stop=stop, heartbeats=heartbeats, reducer_shared=reducer_buffers(run, plan, shared.flat.dtype),
+                        ema=shared.ema)
+        specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
+                            share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
+        peak = PeakMemory()
+        results = launch(target, specs, on_message=deliver, stop=stop, where=f"node {cluster.node_rank} " if cluster
+                         else "", watchdog=Watchdog(heartbeats, plan.settings.worker_timeout, on_tick=peak),
+                         start_method=plan.settings.start_method, runtime=plan.runtime)
+        ema = shared.ema_state_dict(run.model, run.layout) if shared.ema is not None else None
+        return results, peak.peak_bytes, ema
+    finally:
+        SharedParams.release(run.model)
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def reducer_buffers(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, Any]:
+    """What each reducer the workers may build shares, by name: the one the plan names, or every
+    candidate comm=auto times. Each is wide enough for the run's widest small sum: batch norm's
+    statistics, evaluation's sums (a sum and a count per metric, the samples, the failures)."""
+    settings = plan.settings
+    names = auto_candidates() if settings.comm == "auto" else [settings.comm]
+    width = max(2 * max_channels(run.model) + 1 if settings.sync_batchnorm else 0,
+                2 * len(run.objective.eval_keys) + 2)
+    return {name: REDUCERS[name].allocate(plan.workers, run.layout.padded_numel, dtype, width) for name in names}
+
+
+def own_cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def rendezvous_dir() -> str:
+    """A private temporary directory for the workers' rendezvous, named after this process.
+
+    One left by a launcher that was SIGKILLed (no chance to remove it) is removed here, by the
+    next run: its name says whose it was, and that process is gone.
+    """
+    base = Path(tempfile.gettempdir())
+    for stale in base.glob("sn_trainer-*-*"):
+        try:
+            pid = int(stale.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not psutil.pid_exists(pid) and stale.stat().st_uid == os.getuid():
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-")
