@@ -5,13 +5,14 @@
 Prints:
 - the lines of the ``Trainer`` class, and the ten longest functions of the package;
 - the settings containers: dataclasses other than ``TrainerConfig`` (and the parts it holds) that
-  declare a field named as a setting (``CheckpointConfig.dir`` counts as ``checkpoint_dir``), how
-  many such fields, how many of them with a default of their own, and the most declarations of
-  any one setting;
+  declare a field named as a setting (a ``<Name>Config``'s field ``f`` is the setting ``<name>_f``:
+  ``CheckpointConfig.dir`` is ``checkpoint_dir``), how many such fields, how many of them with a
+  default of their own, and the most declarations of any one setting;
 - what each of three extensions touches, as the modules that name the kinds it adds to:
   a data source (modules naming a class with ``micro_slice``, or comparing with a source kind's
-  string), a reducer (modules naming a class with ``reduce`` and ``barrier``, the comm module's
-  shared-buffer classes or ``COMMS``, or comparing with a reducer's name), a worker-fed hook
+  string), a reducer (modules naming a reducer kind: a class with ``reduce``, ``barrier`` and a
+  ``name`` of its own, or the comm module's shared-buffer classes or ``COMMS``, or comparing with a
+  reducer's name), a worker-fed hook
   (the module defining the events, the one defining ``Callback``, those constructing an event,
   and those testing an event's class with ``isinstance``).
 These are counts of where the code names concrete kinds, a proxy for the files a new kind must
@@ -89,10 +90,16 @@ def is_protocol(node: ast.ClassDef) -> bool:
 
 
 def class_attribute(node: ast.ClassDef, name: str) -> str | None:
+    """A string class attribute, as ``name = "x"`` or ``name, other = "x", ...`` sets it."""
     for item in node.body:
-        if isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in item.targets) \
-                and isinstance(item.value, ast.Constant) and isinstance(item.value.value, str):
-            return item.value.value
+        if not isinstance(item, ast.Assign):
+            continue
+        for target in item.targets:
+            pairs = zip(target.elts, item.value.elts) if isinstance(target, ast.Tuple) and \
+                isinstance(item.value, ast.Tuple) else [(target, item.value)]
+            for t, v in pairs:
+                if isinstance(t, ast.Name) and t.id == name and isinstance(v, ast.Constant) and isinstance(v.value, str):
+                    return v.value
     return None
 
 
@@ -114,14 +121,14 @@ def settings_report(mods: dict[str, ast.Module]) -> list[str]:
         if name in parts or not is_dataclass(node):
             continue
         prefix = name[: -len("Config")].lower() + "_" if name.endswith("Config") else ""
-        hits = [(f, d) for f, d, _ in fields(node) if f in settings or prefix + f in settings]
+        hits = [(f, d) for f, d, _ in fields(node) if (prefix + f if prefix else f) in settings]
         if hits:
             containers.append(f"  {name} ({path}): {len(hits)} of its fields are settings' names, "
                               f"{sum(d for _, d in hits)} with a default: {', '.join(f for f, _ in hits)}")
             duplicated += len(hits)
             with_default += sum(d for _, d in hits)
             for f, _ in hits:
-                declared[f if f in settings else prefix + f] += 1
+                declared[prefix + f if prefix else f] += 1
     most = max(declared.values()) if declared else 0
     return [f"settings: {len(settings)}; other containers declaring them: {len(containers)}; "
             f"fields repeating a setting's name: {duplicated} ({with_default} with a default of their own); "
@@ -142,7 +149,7 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
             if "micro_slice" in methods(c):
                 sources.add(c.name)
                 source_kinds.add(class_attribute(c, "kind"))
-            if {"reduce", "barrier"} <= methods(c):
+            if {"reduce", "barrier"} <= methods(c) and class_attribute(c, "name"):
                 reducers.add(c.name)
                 reducer_names.add(class_attribute(c, "name"))
                 comm_module = path

@@ -57,8 +57,12 @@ class Callbacks:
                                   "subclass sn_trainer.Callback and override its on_* methods")
 
     def call(self, hook: str, *args: Any) -> None:
+        """Every callback's method ``hook``, in order; a callback without one is passed over (an event
+        a newer engine sends reaches only the callbacks that know it)."""
         for callback in self.callbacks:
-            getattr(callback, hook)(*args)
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(*args)
 
     def event(self, trainer, event: Any) -> None:
         """Hand a worker's event to the hook it names (``event.hook``)."""

@@ -21,7 +21,6 @@ from torch.utils.data import Dataset
 
 from . import tuner
 from .callbacks import Callback, Callbacks, History, NotebookBar, OnLog, in_notebook
-from .checkpoint.writer import CheckpointWriter
 from .config import TrainerConfig, setting_rows, settings_text
 from .engine.cluster import Cluster
 from .engine.launch import starts_warm, warm_up
@@ -29,10 +28,10 @@ from .engine.runtime import Runtime, available_allocators, available_openmps
 from .engine.signals import StopFlags
 from .engine.topology import read_topology
 from .errors import ConfigError
-from .fit import decide, session
+from .fit import decide
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps
 from .fit.result import FitResult, fit_result
-from .fit.session import StopRequests
+from .fit.session import Session, launch_workers
 from .phase import Phase
 
 log = logging.getLogger(__name__)
@@ -89,24 +88,16 @@ class Trainer:
         """
         return steps(self.settings, num_samples)
 
-    def fit(
-        self,
-        model: nn.Module,
-        train_set: Dataset,
-        eval_set: Dataset | None = None,
-        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        on_log: Callable[[dict[str, Any]], None] | None = None,
-        run_config: dict[str, Any] | None = None,
-        step_fn: Callable[[nn.Module, Any], Any] | None = None,
-        metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
-        param_groups: Callable[[nn.Module], Any] | None = None,
-        callbacks: list[Callback] | None = None,
-        phases: list[Phase] | None = None,
-        collate_fn: Callable[[list], Any] | None = None,
-        eval_collate_fn: Callable[[list], Any] | None = None,
-    ) -> FitResult:
+    def fit(self, model: nn.Module, train_set: Dataset, eval_set: Dataset | None = None,
+            optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+            loss_fn: Callable[..., torch.Tensor] | None = None,
+            scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+            on_log: Callable[[dict[str, Any]], None] | None = None, run_config: dict[str, Any] | None = None,
+            step_fn: Callable[[nn.Module, Any], Any] | None = None,
+            metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
+            param_groups: Callable[[nn.Module], Any] | None = None, callbacks: list[Callback] | None = None,
+            phases: list[Phase] | None = None, collate_fn: Callable[[list], Any] | None = None,
+            eval_collate_fn: Callable[[list], Any] | None = None) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
         Args:
@@ -151,14 +142,10 @@ class Trainer:
         run = resolve_fit(FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
                                     param_groups, phases, collate_fn, eval_collate_fn, run_config),
                           *self._settled_for(model), self.cluster)
-        writer = CheckpointWriter(run.checkpoints, run.layout, run.phases, run.sample_order, run.run_config, hooks)
-        every = Callbacks([writer, *hooks.callbacks, StopRequests(self._stop)])
-        self.should_stop = self.should_checkpoint = False
-        every.call("on_fit_start", self, run.plan(0))
-        outcome = session.train(run, self, every, writer, self._stop, self.cluster)
-        result = fit_result(outcome, history.records, writer.last_saved, self._stop, run.train.kind)
+        session = Session(run, self, hooks, self._stop, self.cluster)
+        result = fit_result(session.train(), history.records, session.writer.last_saved, self._stop, run.train.kind)
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
-        every.call("on_fit_end", self, result)
+        session.callbacks.call("on_fit_end", self, result)
         return result
 
     def _settled_for(self, model: nn.Module):
@@ -177,7 +164,7 @@ class Trainer:
         run = resolve_evaluation(FitInputs(model, eval_set=dataset, loss_fn=loss_fn, step_fn=step_fn,
                                            metric_fn=metric_fn, eval_collate_fn=collate_fn),
                                  self.settings, self.placement)
-        results, _, _ = session.launch_workers(run, run.first_plan, self._stop, self.cluster)
+        results, _, _ = launch_workers(run, run.first_plan, self._stop, self.cluster)
         return dict(results[0].eval_metrics)
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
@@ -233,14 +220,16 @@ class _Measurement:
 
 
 def _signature() -> inspect.Signature:
-    """``Trainer(config=None, /, *, cluster=None, <every setting>=<its default>, ...)``."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
+    """``__init__(self, config=None, /, *, cluster=None, <every setting>=<its default>, ...)``."""
+    positional, keyword = inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.KEYWORD_ONLY
     return inspect.Signature(
-        [inspect.Parameter("config", inspect.Parameter.POSITIONAL_ONLY, default=None, annotation="TrainerConfig | None"),
+        [inspect.Parameter("self", positional), inspect.Parameter("config", positional, default=None,
+                                                                 annotation="TrainerConfig | None"),
          inspect.Parameter("cluster", keyword, default=None, annotation="Cluster | None"),
          *(inspect.Parameter(row.keyword, keyword, default=row.default, annotation=row.annotation)
            for row in setting_rows())])
 
 
-Trainer.__signature__ = _signature()
+# What inspect.signature(Trainer), help() and notebooks show: every setting, its default.
+Trainer.__init__.__signature__ = _signature()
 Trainer.__doc__ = inspect.cleandoc(Trainer.__doc__) + "\n\n" + settings_text()

@@ -51,14 +51,25 @@ def test_a_compiled_model_trains_and_evaluates_as_eager_plain_pytorch(compiled):
     assert result.eval_loss == pytest.approx(expected, rel=1e-10)
 
 
+def test_evaluate_compiles_as_fit_does():
+    """evaluate() is resolved as fit is: compile=true evaluates the compiled model, to the same loss."""
+    torch.manual_seed(0)
+    model, test = NotesCompiling().double(), tiny_dataset(n=30, seed=5, dtype=torch.float64)
+    metrics = Trainer(workers=2, batch_size=12, compile=True).evaluate(model, test)
+    assert model.compiled.item() == 1.0  # worker 0's forward ran compiled
+    with torch.no_grad():
+        expected = cross_entropy(model.eval(), test.tensors).item()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-10) and metrics["eval_samples"] == 30
+
+
 @pytest.mark.parametrize("rates, chosen", [({"eager": 100.0, "compiled": 130.0}, True),
                                            ({"eager": 100.0, "compiled": 90.0}, False), ({}, False)])
 def test_compile_auto_follows_what_tuning_measured(tmp_path, monkeypatch, caplog, rates, chosen):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = SmallConvNet()
     trainer = Trainer(workers=1, batch_size=8, max_steps=1, compile="auto")
-    result = tuner.TuneResult(1, 1, Runtime("system", "gnu"), 100.0, [], tuner.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0,
-                             compile_rates=rates)
+    result = tuner.TuneResult(1, 1, Runtime("system", "gnu"), 100.0, [],
+                              tuner.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0, compile_rates=rates)
     tuner.store(tuner.cache_key(model, 8, 1, "fp32"), result)
     with caplog.at_level(logging.INFO, logger="sn_trainer"):
         assert decide.for_model(trainer.settings, model).compile is chosen

@@ -175,3 +175,25 @@ class AllocatorProbe(torch.nn.Module):
             with open(os.path.join(self.out_dir, f"{os.getpid()}.maps"), "w") as f:
                 f.write(open("/proc/self/maps").read())
         return self.inner(x)
+
+
+def test_the_tuners_command_predicts_another_machine_from_the_cached_calibration(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from sn_trainer.models import build_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cal = tune.Calibration({1: (0.002, 1e-4)}, sync_two=0.001, sync_per_doubling=0.0005)
+    tune.store(tune.cache_key(build_model("lenet", (1, 28, 28), 10), 128, 1, "fp32"),
+               tune.TuneResult(1, 1, Runtime("system", "gnu"), 1000.0, [], cal, 1.0))
+    proc = subprocess.run([sys.executable, "-m", "sn_trainer.tuner", "--predict", "cores=8", "--model", "lenet",
+                           "--batch", "128"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "on 8 cores" in proc.stdout and "calibrated" in proc.stdout and "knee:" in proc.stdout
+    rows = {int(line.split()[0]): float(line.split()[2]) for line in proc.stdout.splitlines()
+            if line.strip() and line.split()[0].isdigit()}
+    assert rows == {w: pytest.approx(tune.predict(cal, tune.Machine(8), 128, w, 1), abs=0.5) for w in (1, 2, 4, 8)}
+    moved = subprocess.run([sys.executable, "-m", "sn_trainer.report", "--predict", "cores=8"], capture_output=True,
+                           text=True, timeout=60)
+    assert moved.returncode == 2 and "python -m sn_trainer.tuner --predict cores=8" in moved.stderr

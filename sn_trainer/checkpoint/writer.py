@@ -58,6 +58,6 @@ class CheckpointWriter(Callback):
             schedules.append(next((p["phases"][index]["schedule"] for p in ordered
                                    if p["phases"][index]["schedule"] is not None), None))
         optimizer, schedule = files.phase_entries(optimizers, schedules)
-        facts = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream")}
-        return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], facts, self.run_config,
+        run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream")}
+        return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
                            schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"))

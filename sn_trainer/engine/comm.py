@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from .layout import FlatLayout, Shard
 from .shared import untouched_shared
 
@@ -127,6 +128,29 @@ def auto_candidates() -> list[str]:
     return [name for name, kind in REDUCERS.items() if kind.timed and kind.unavailable() is None]
 
 
+def choose_reducer(comm: str, workers: int, notes: list[str]) -> str:
+    """What ``comm`` runs with ``workers`` workers here: the one-worker reducer for one, a
+    registered reducer's name, or ``auto`` (the workers time the candidates at start-up); a
+    fallback goes in ``notes``.
+
+    Raises:
+        ConfigError: no reducer of that name, or the one-worker reducer for several workers.
+    """
+    if comm != "auto" and comm not in REDUCERS:
+        raise ConfigError(f"comm must be one of auto, {', '.join(REDUCERS)}, got {comm!r}")
+    if workers == 1:
+        return LocalReducer.name
+    if comm == LocalReducer.name:
+        raise ConfigError(f"comm={comm} sums nothing: it is one worker's; with workers={workers} use auto, "
+                          f"{', '.join(name for name in REDUCERS if name != comm)}")
+    why = REDUCERS[comm].unavailable() if comm != "auto" else None
+    if why:
+        fallback = REDUCERS[comm].fallback
+        notes.append(f"comm={comm} asked for, {fallback} ran: {why}")
+        return fallback
+    return comm
+
+
 def gloo_group(store, rank: int, size: int, device, timeout_s: float) -> dist.ProcessGroupGloo:
     """A gloo group on one given device, used directly (never installed as the global default)."""
     options = dist.ProcessGroupGloo._Options()
@@ -176,6 +200,76 @@ class LocalReducer(_Always):
 
     def barrier(self) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+@registered
+class ShmReducer:
+    """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
+
+    name, timed, fallback = "shm", True, "gloo"
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None if SHM_SAFE else "the shared-memory barrier relies on x86-64's store order"
+
+    @classmethod
+    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> ShmBuffers:
+        return ShmBuffers.allocate(workers, padded_numel, dtype, sum_width)
+
+    def __init__(self, setup: ReducerSetup):
+        buffers, rank, world_size, shard = setup.shared, setup.rank, setup.world_size, setup.shard
+        self.rank, self.world_size, self.shard = rank, world_size, shard
+        self.grad_flat = buffers.grad_rows[rank]
+        self.grad_flat.zero_()  # this worker touches its row first: its pages go on this worker's node
+        self._columns = buffers.grad_rows[:, shard.start : shard.stop]
+        self.shard_grad = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
+        self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us
+        self._scratch = buffers.scratch
+        self._generation = 0
+        self._sums = 0
+
+    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
+        pass  # summing waits for every row: nothing can start before the backward pass ends
+
+    def local_sum(self) -> float:
+        return self.grad_flat.sum().item()
+
+    def reduce(self) -> torch.Tensor:
+        self.barrier()  # every row is complete
+        torch.sum(self._columns, dim=0, out=self.shard_grad)
+        return self.shard_grad
+
+    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A tensor wider than the scratch block goes in pieces. Pieces alternate between two
+        # scratch slots: a peer can write a slot again only two pieces later, after the next
+        # piece's barrier, which waits for this worker's read.
+        values = tensor.reshape(-1).clone()
+        width = self._scratch.shape[-1]
+        for start in range(0, values.numel(), width):
+            piece = values[start : start + width]
+            slot = self._scratch[self._sums % 2]
+            self._sums += 1
+            slot[self.rank, : piece.numel()] = piece
+            self.barrier()
+            piece.copy_(slot[:, : piece.numel()].sum(dim=0))
+        tensor.copy_(values.reshape(tensor.shape))
+        return tensor
+
+    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        self._generation += 1
+        arrivals, generation = self._arrivals, self._generation
+        arrivals[self.rank] = generation
+        spins = 0
+        while arrivals.min() < generation:
+            spins += 1
+            if spins > _SPINS_BEFORE_YIELD:
+                os.sched_yield()
 
     def close(self) -> None:
         pass
@@ -302,76 +396,6 @@ class _Bucket:
         self.ready, self._work, self._sum = 0, None, None
 
 
-@registered
-class ShmReducer:
-    """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
-
-    name, timed, fallback = "shm", True, "gloo"
-
-    @classmethod
-    def unavailable(cls) -> str | None:
-        return None if SHM_SAFE else "the shared-memory barrier relies on x86-64's store order"
-
-    @classmethod
-    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> ShmBuffers:
-        return ShmBuffers.allocate(workers, padded_numel, dtype, sum_width)
-
-    def __init__(self, setup: ReducerSetup):
-        buffers, rank, world_size, shard = setup.shared, setup.rank, setup.world_size, setup.shard
-        self.rank, self.world_size, self.shard = rank, world_size, shard
-        self.grad_flat = buffers.grad_rows[rank]
-        self.grad_flat.zero_()  # this worker touches its row first: its pages go on this worker's node
-        self._columns = buffers.grad_rows[:, shard.start : shard.stop]
-        self.shard_grad = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
-        self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us
-        self._scratch = buffers.scratch
-        self._generation = 0
-        self._sums = 0
-
-    def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
-        pass  # summing waits for every row: nothing can start before the backward pass ends
-
-    def local_sum(self) -> float:
-        return self.grad_flat.sum().item()
-
-    def reduce(self) -> torch.Tensor:
-        self.barrier()  # every row is complete
-        torch.sum(self._columns, dim=0, out=self.shard_grad)
-        return self.shard_grad
-
-    def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
-        # A tensor wider than the scratch block goes in pieces. Pieces alternate between two
-        # scratch slots: a peer can write a slot again only two pieces later, after the next
-        # piece's barrier, which waits for this worker's read.
-        values = tensor.reshape(-1).clone()
-        width = self._scratch.shape[-1]
-        for start in range(0, values.numel(), width):
-            piece = values[start : start + width]
-            slot = self._scratch[self._sums % 2]
-            self._sums += 1
-            slot[self.rank, : piece.numel()] = piece
-            self.barrier()
-            piece.copy_(slot[:, : piece.numel()].sum(dim=0))
-        tensor.copy_(values.reshape(tensor.shape))
-        return tensor
-
-    def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        self._generation += 1
-        arrivals, generation = self._arrivals, self._generation
-        arrivals[self.rank] = generation
-        spins = 0
-        while arrivals.min() < generation:
-            spins += 1
-            if spins > _SPINS_BEFORE_YIELD:
-                os.sched_yield()
-
-    def close(self) -> None:
-        pass
-
-
 class CrossNodeReducer:
     """A node's reducer, then an all-reduce of each shard with the same shard of the other nodes.
 
@@ -428,14 +452,16 @@ def calibrate(candidates: list[Reducer], rounds: int = 8) -> list[float]:
     return timings
 
 
-def make_reducer(comm: str, setup: ReducerSetup, shared: dict[str, Any]) -> Reducer:
-    """The reducer ``comm`` names, given what the launcher allocated for it (``shared``, by name);
-    ``auto`` times those ``auto_candidates`` names against each other here and keeps the fastest.
-    Every worker must call this with the same arguments but its own rank in ``setup``.
+def make_reducer(comm: str, setup: ReducerSetup, kinds: dict[str, tuple[type, Any]]) -> Reducer:
+    """The reducer ``comm`` names, of the ``kinds`` the launcher chose for the run (by name: each
+    class, and what the launcher allocated for it); ``auto`` times them against each other here and
+    keeps the fastest. Every worker must call this with the same arguments but its own rank in
+    ``setup``.
     """
     if comm != "auto":
-        return REDUCERS[comm](dataclasses.replace(setup, shared=shared.get(comm)))
-    candidates = [REDUCERS[name](dataclasses.replace(setup, shared=shared.get(name))) for name in auto_candidates()]
+        kind, shared = kinds[comm]
+        return kind(dataclasses.replace(setup, shared=shared))
+    candidates = [kind(dataclasses.replace(setup, shared=shared)) for kind, shared in kinds.values()]
     if len(candidates) == 1:
         return candidates[0]
     seconds = calibrate(candidates)

@@ -46,7 +46,7 @@ class Launch:
     board: Board
     stop: StopFlags
     heartbeats: Heartbeats
-    reducer_shared: dict[str, Any]  # what the launcher allocated for each reducer the workers may build
+    reducers: dict[str, tuple[type, Any]]  # the reducers the workers may build: each class, what it shares
     ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
 
 
@@ -108,7 +108,7 @@ class Replica:
         backstop = 2 * settings.worker_timeout + 30
         setup = ReducerSetup(spec.rank, self.plan.workers, self.layout.shards[spec.rank], self.layout.padded_numel,
                              self.dtype, spec.store_path, settings.reduce, backstop)
-        reducer = make_reducer(settings.comm, setup, self.launch.reducer_shared)
+        reducer = make_reducer(settings.comm, setup, self.launch.reducers)
         if spec.cluster is None:
             return reducer
         return CrossNodeReducer(reducer, spec.cluster.store(f"shard{spec.rank}"), spec.cluster.node_rank,

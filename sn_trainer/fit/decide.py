@@ -13,7 +13,7 @@ from torch import nn
 from .. import tuner
 from ..config import TrainerConfig
 from ..engine.cluster import Cluster
-from ..engine.comm import REDUCERS
+from ..engine.comm import choose_reducer
 from ..engine.launch import starts_warm
 from ..engine.machine import bf16_supported
 from ..engine.plan import Placement
@@ -58,35 +58,13 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
         notes.append(f"{runtime}: this process's warm workers run another allocator or OpenMP, so these "
                      "workers were spawned (cold) with it")
         start_method = "spawn"
-    comm = reducer(config.comm, workers, notes)
+    comm = choose_reducer(config.comm, workers, notes)
     for note in notes:
         log.warning(note)
     settings = dataclasses.replace(config, workers=workers, threads=threads, precision=precision, comm=comm,
                                    allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
     return settings, Placement(tuple(plan_pinning(topology, workers, threads)), nodes,
                                cluster.node_rank if cluster else 0, tuple(notes))
-
-
-def reducer(comm: str, workers: int, notes: list[str]) -> str:
-    """What ``comm`` runs with ``workers`` workers here: ``local`` for one, a registered reducer's
-    name, or ``auto`` (the workers time the candidates at start-up); a fallback goes in ``notes``.
-
-    Raises:
-        ConfigError: no reducer of that name, or ``local`` for several workers.
-    """
-    if comm != "auto" and comm not in REDUCERS:
-        raise ConfigError(f"comm must be one of auto, {', '.join(REDUCERS)}, got {comm!r}")
-    if workers == 1:
-        return "local"
-    if comm == "local":
-        raise ConfigError(f"comm=local sums nothing: it is one worker's; with workers={workers} use auto, "
-                          f"{', '.join(name for name in REDUCERS if name != 'local')}")
-    why = REDUCERS[comm].unavailable() if comm != "auto" else None
-    if why:
-        fallback = REDUCERS[comm].fallback
-        notes.append(f"comm={comm} asked for, {fallback} ran: {why}")
-        return fallback
-    return comm
 
 
 def tuned_for(config: TrainerConfig, cluster: Cluster | None, model: nn.Module) -> dict[str, Any] | None:

@@ -364,7 +364,7 @@ def _check_combinations(settings: TrainerConfig, placement: Placement, dataset_s
             last micro-batch too small for every worker.
     """
     workers = placement.global_workers
-    if settings.shards != "elements" and settings.comm != "local" and settings.reduce == "reduce_scatter":
+    if settings.shards != "elements" and placement.workers > 1 and settings.reduce == "reduce_scatter":
         raise ConfigError(f"reduce=reduce_scatter needs elementwise shards (equal slices), and this run's are "
                           f"shards={settings.shards}; use reduce=all_reduce")
     if settings.sync_batchnorm and not settings.drop_last and dataset_size is not None:

@@ -73,41 +73,63 @@ class StopRequests(Callback):
             self.stop.ask()
 
 
-def train(run: Run, trainer, callbacks: Callbacks, writer: CheckpointWriter, stop: StopFlags,
-          cluster: Cluster | None) -> Outcome:
-    """Launch the workers; when one fails, restart all from the last checkpoint, up to
-    ``max_restarts`` times. ``callbacks`` get every event the workers send (``trainer`` is what
-    they are called with).
+class Session:
+    """A run's launches, with the run's callbacks: the checkpoint writer first, then ``hooks`` (the
+    history, the user's), then the stop requests they make. ``trainer`` is what callbacks are
+    called with; ``stop`` the flags shared with the workers."""
 
-    Raises:
-        WorkerFailed: after the last restart; TrainingInterrupted: a signal asked to stop.
-    """
-    restarts, resume_from = 0, run.resume_from
-    stop.reset()
-    with graceful_stop(stop):
-        while True:
-            resumed = resume(resume_from, run, run.settings, run.first_plan.workers, cluster is None) \
-                if resume_from else None
-            plan = run.plan(resumed.step if resumed else 0)
-            try:
-                launcher_cpu = -own_cpu_seconds()
-                results, peak, ema = launch_workers(run, plan, stop, cluster,
-                                                    lambda rank, event: callbacks.event(trainer, event), resumed)
-                return Outcome(plan, results, peak, launcher_cpu + own_cpu_seconds(), restarts, ema)
-            except WorkerFailed as failure:
-                if stop.signal:  # asked to stop: a restart would resurrect the run
-                    raise TrainingInterrupted(stop.signal, None, writer.last_saved) from failure
-                if restarts >= run.settings.max_restarts:
-                    raise
-                restarts += 1
-                latest = run.checkpoints.latest() if run.checkpoints else None
-                log.warning("%s\nrestart %d of %d, from %s", failure, restarts, run.settings.max_restarts,
-                            latest or resume_from or "the initial parameters")
-                if latest is not None:
-                    resume_from = run.checkpoints.path
-                elif resume_from is None:
-                    run.model.load_state_dict(run.initial_state)
-                stop.clear_for_restart()
+    def __init__(self, run: Run, trainer, hooks: Callbacks, stop: StopFlags, cluster: Cluster | None):
+        self.run, self.trainer, self.stop, self.cluster = run, trainer, stop, cluster
+        self.writer = CheckpointWriter(run.checkpoints, run.layout, run.phases, run.sample_order, run.run_config,
+                                       hooks)
+        self.callbacks = Callbacks([self.writer, *hooks.callbacks, StopRequests(stop)])
+
+    def train(self) -> Outcome:
+        """Launch the workers; when one fails, restart all from the last checkpoint, up to
+        ``max_restarts`` times.
+
+        Raises:
+            WorkerFailed: after the last restart; TrainingInterrupted: a signal asked to stop.
+        """
+        run, stop, trainer = self.run, self.stop, self.trainer
+        restarts, resume_from = 0, run.resume_from
+        trainer.should_stop = trainer.should_checkpoint = False
+        stop.reset()
+        self.callbacks.call("on_fit_start", trainer, run.plan(0))
+        with graceful_stop(stop):
+            while True:
+                resumed = resume(resume_from, run, run.settings, run.first_plan.workers, self.cluster is None) \
+                    if resume_from else None
+                plan = run.plan(resumed.step if resumed else 0)
+                try:
+                    launcher_cpu = -own_cpu_seconds()
+                    results, peak, ema = launch_workers(run, plan, stop, self.cluster, self.deliver, resumed)
+                    return Outcome(plan, results, peak, launcher_cpu + own_cpu_seconds(), restarts, ema)
+                except WorkerFailed as failure:
+                    if stop.signal:  # asked to stop: a restart would resurrect the run
+                        raise TrainingInterrupted(stop.signal, None, self.writer.last_saved) from failure
+                    if restarts >= run.settings.max_restarts:
+                        raise
+                    restarts += 1
+                    resume_from = self._restart_from(failure, restarts, resume_from)
+                    stop.clear_for_restart()
+
+    def deliver(self, rank: int, event) -> None:
+        """A worker's event, to every callback's hook it names."""
+        self.callbacks.event(self.trainer, event)
+
+    def _restart_from(self, failure: WorkerFailed, restarts: int, resume_from: Path | None) -> Path | None:
+        """Where restart number ``restarts`` goes on from: the last checkpoint, else where the run
+        began (its checkpoint, or the initial parameters, put back into the model)."""
+        run = self.run
+        latest = run.checkpoints.latest() if run.checkpoints else None
+        log.warning("%s\nrestart %d of %d, from %s", failure, restarts, run.settings.max_restarts,
+                    latest or resume_from or "the initial parameters")
+        if latest is not None:
+            return run.checkpoints.path
+        if resume_from is None:
+            run.model.load_state_dict(run.initial_state)
+        return resume_from
 
 
 def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | None, deliver=None,
@@ -131,7 +153,7 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
         shares = Launch(plan=plan, model=run.model, layout=run.layout, flat=shared.flat, train=run.train,
                         evaluation=run.evaluation, objective=run.objective, phases=run.phases,
                         board=Board.allocate(plan.workers, len(run.layout.slots), buffer_count(run.model)),
-                        stop=stop, heartbeats=heartbeats, reducer_shared=reducer_buffers(run, plan, shared.flat.dtype),
+                        stop=stop, heartbeats=heartbeats, reducers=reducer_kinds(run, plan, shared.flat.dtype),
                         ema=shared.ema)
         specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
                             share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
@@ -146,15 +168,18 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def reducer_buffers(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, Any]:
-    """What each reducer the workers may build shares, by name: the one the plan names, or every
-    candidate comm=auto times. Each is wide enough for the run's widest small sum: batch norm's
-    statistics, evaluation's sums (a sum and a count per metric, the samples, the failures)."""
+def reducer_kinds(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, tuple[type, Any]]:
+    """The reducers the workers may build, by name, each class with what it shares (allocated
+    here): the one the plan names, or every candidate comm=auto times. The classes travel with the
+    launch, so a reducer registered anywhere in this process is one the workers can build. Shared
+    buffers are wide enough for the run's widest small sum: batch norm's statistics, evaluation's
+    sums (a sum and a count per metric, the samples, the failures)."""
     settings = plan.settings
     names = auto_candidates() if settings.comm == "auto" else [settings.comm]
     width = max(2 * max_channels(run.model) + 1 if settings.sync_batchnorm else 0,
                 2 * len(run.objective.eval_keys) + 2)
-    return {name: REDUCERS[name].allocate(plan.workers, run.layout.padded_numel, dtype, width) for name in names}
+    return {name: (REDUCERS[name], REDUCERS[name].allocate(plan.workers, run.layout.padded_numel, dtype, width))
+            for name in names}
 
 
 def own_cpu_seconds() -> float:
