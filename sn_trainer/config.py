@@ -165,7 +165,8 @@ class TrainerConfig:
         if isinstance(self.workers, str):
             require(self.workers == "auto", f"workers must be a positive integer or 'auto', got {self.workers!r}")
         else:
-            require(is_int(self.workers) and self.workers >= 1, f"workers must be >= 1 (or 'auto'), got {self.workers!r}")
+            require(is_int(self.workers) and self.workers >= 1,
+                    f"workers must be >= 1 (or 'auto'), got {self.workers!r}")
         for name in ("threads", "batch_size", "epochs", "accumulate", "log_every", "eval_batch_size", "profile_steps"):
             positive_int(getattr(self, name), name)
         for name in ("max_steps", "eval_every", "max_eval_batches"):

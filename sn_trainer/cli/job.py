@@ -1,4 +1,5 @@
-"""One command-line job: data, model and optimizer from the config, fit, then the files it writes\n(summary.json, metrics.csv, the weights, a text sample)."""
+"""One command-line job: data, model and optimizer from the config, fit, then the files it writes
+(summary.json, metrics.csv, the weights, a text sample)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
-"""What this machine is: its CPU, its instruction sets, whether it computes bfloat16; enough to compare, nothing private."""
+"""What this machine is: its CPU, its instruction sets, whether it computes bfloat16; enough to
+compare, nothing private."""
 from __future__ import annotations
 
 import platform

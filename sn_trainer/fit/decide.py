@@ -120,11 +120,10 @@ def _compile(settings: TrainerConfig, model: nn.Module) -> bool:
     return rates["compiled"] > rates["eager"]
 
 
-def for_data(settings: TrainerConfig, draws_random: bool, optimizer_classes: list[type | None]) -> TrainerConfig:
-    """The settings with prefetch and shards decided: prefetch=auto reads ahead where reading the
-    training set draws no global random numbers (a thread drawing them beside the model's dropout
-    would change which numbers each gets); shards=auto takes the kind every phase's optimizer is
-    proven exact with (``optim.shard_kind``), the most general of them.
+def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
+    """The settings with prefetch decided: prefetch=auto reads ahead where reading the training set
+    draws no global random numbers (a thread drawing them beside the model's dropout would change
+    which numbers each gets).
 
     Raises:
         ConfigError: prefetch=true for data that draws from the global generators.
@@ -137,6 +136,16 @@ def for_data(settings: TrainerConfig, draws_random: bool, optimizer_classes: lis
     if draws_random and settings.prefetch == "auto":
         log.info("prefetch=auto: off, as reading train_set draws global random numbers (augmentation); a "
                  "dataset that draws from generators of its own is read ahead")
+    return dataclasses.replace(settings, prefetch=bool(settings.prefetch) and not draws_random)
+
+
+def for_optimizers(settings: TrainerConfig, optimizer_classes: list[type | None]) -> TrainerConfig:
+    """The settings with shards decided: shards=auto takes the kind every phase's optimizer is
+    proven exact with (``optim.shard_kind``), the most general of them.
+
+    Raises:
+        ConfigError: an optimizer sn_trainer cannot run.
+    """
     kind = max((shard_kind(c, settings.shards) for c in optimizer_classes), key=SHARD_KINDS.index,
                default="elements")
-    return dataclasses.replace(settings, prefetch=bool(settings.prefetch) and not draws_random, shards=kind)
+    return dataclasses.replace(settings, shards=kind)

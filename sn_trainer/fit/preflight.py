@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import TrainerConfig
 from ..data.batching import in_layout
 from ..data.source import Source
 from ..engine import random_state
@@ -61,16 +62,14 @@ class Rehearsal:
     eval_samples: int
     objective: Objective  # evaluation's
     phases: list[PhaseSpec]  # what training runs, each phase in turn
-    precision: str
-    channels_last: bool
+    settings: TrainerConfig  # the run's (its precision and memory layout decided)
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
     probe_singles: list[Any] = field(default_factory=list)
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
 
 
 def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
-            eval_samples: int, objective: Objective, phases: list[PhaseSpec], precision: str,
-            channels_last: bool) -> Rehearsal:
+            eval_samples: int, objective: Objective, phases: list[PhaseSpec], settings: TrainerConfig) -> Rehearsal:
     """Read one training slice of ``train_samples`` from the ``train`` source, one evaluation slice
     of ``eval_samples``, and the samples the loss's form is measured on (each collated as the
     workers will). Whether reading the training slice draws from the global random generators is
@@ -90,8 +89,8 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
             draws = moved()
         probed = train if train is not None else evaluation
         group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
-    return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, precision,
-                     channels_last, group, singles, draws)
+    return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
+                     singles, draws)
 
 
 def rehearse(s: Rehearsal) -> Findings:
@@ -106,12 +105,12 @@ def rehearse(s: Rehearsal) -> Findings:
     replica = copy.deepcopy(s.model)
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
-    how = Precision(s.precision)
+    how, channels_last = Precision(s.settings.precision), s.settings.channels_last
     phases = []
     for phase in s.phases:
         prefix = f"phase {phase.name!r}: " if len(s.phases) > 1 else ""
         if s.train_batch is not None:
-            batch = in_layout(s.train_batch, s.channels_last)
+            batch = in_layout(s.train_batch, channels_last)
             loss_sum, _ = _attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
                                    lambda: phase.objective.train_terms(replica, batch, s.train_samples, how, dtype))
             _attempt(f"{prefix}the backward pass", loss_sum.backward)
@@ -126,7 +125,7 @@ def rehearse(s: Rehearsal) -> Findings:
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
     if s.eval_batch is not None:
-        batch = in_layout(s.eval_batch, s.channels_last)
+        batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
         found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                          lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
@@ -138,8 +137,8 @@ def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) 
     if s.probe_group is None:
         return loss_probe.Finding(MEAN)
     return _attempt(f"{prefix}measuring how the loss splits over samples (eval mode, one sample at a time)",
-                    lambda: loss_probe.measure(objective, replica, in_layout(s.probe_group, s.channels_last),
-                                               [in_layout(b, s.channels_last) for b in s.probe_singles]))
+                    lambda: loss_probe.measure(objective, replica, in_layout(s.probe_group, s.settings.channels_last),
+                                               [in_layout(b, s.settings.channels_last) for b in s.probe_singles]))
 
 
 def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],

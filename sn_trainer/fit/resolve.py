@@ -108,11 +108,11 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     _check_sendable(given, objective, phases)
     settings = decide.for_model(settings, model)
     rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
-                                  evaluation, settings.eval_batch_size, objective, phases, settings.precision,
-                                  settings.channels_last)
+                                  evaluation, settings.eval_batch_size, objective, phases, settings)
+    settings = decide.for_reading(settings, rehearsal.data_draws_random)
     findings = rehearse(rehearsal, settings)
     _settle_losses(objective, phases, findings, placement.global_workers * settings.accumulate > 1, evaluation)
-    settings = decide.for_data(settings, rehearsal.data_draws_random, [f.optimizer_class for f in findings.phases])
+    settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     _check_combinations(settings, placement, train.size)
     checkpoints, resume_from = locate(settings, cluster)
     if cluster is not None:
@@ -140,7 +140,7 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     _check_sendable(given, objective, [])
     settings = decide.for_model(settings, given.model)
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
-                                          settings.precision, settings.channels_last), settings)
+                                          settings), settings)
     objective.eval_keys = findings.eval_keys
     objective.form = findings.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
     # What only training uses stays out: no accumulation, no moving average, no batch-norm sums.

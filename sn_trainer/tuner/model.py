@@ -123,7 +123,8 @@ def prediction_table(cal: Calibration, machine: Machine, batch: int, title: str)
     workers, best = 1, (0.0, 1)
     while workers <= min(machine.cores, batch):
         rate = predict(cal, machine, batch, workers, 1)
-        lines.append(f"{workers:7d} {batch / workers:10.1f} {rate:10.0f} {rate / one:7.2f}x {rate / one / workers:10.2f}")
+        lines.append(f"{workers:7d} {batch / workers:10.1f} {rate:10.0f} {rate / one:7.2f}x "
+                     f"{rate / one / workers:10.2f}")
         best = max(best, (rate, workers))
         workers *= 2
     lines.append(f"knee: {best[1]} workers ({batch / best[1]:.0f} samples each); beyond it, more workers are slower")

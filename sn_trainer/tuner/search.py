@@ -61,7 +61,8 @@ class TuneResult:
                              f"{r['with_runtime']['measured']:.0f}")
         if self.compile_rates:
             lines.append(f"at the best measured: eager {self.compile_rates['eager']:.0f}, compiled "
-                         f"{self.compile_rates['compiled']:.0f} (compile=auto: {'compiled' if self.compile else 'eager'})")
+                         f"{self.compile_rates['compiled']:.0f} "
+                         f"(compile=auto: {'compiled' if self.compile else 'eager'})")
         lines.append(f"best: workers={self.workers} threads={self.threads} {self.runtime} "
                      f"({self.samples_per_sec:.0f} samples/s; tuning took {self.seconds:.0f} s)")
         return "\n".join(lines)
