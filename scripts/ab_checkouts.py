@@ -69,14 +69,16 @@ def main() -> None:
     parser.add_argument("base", help="the other checkout (a folder holding sn_trainer/)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="results/ab_checkouts")
+    parser.add_argument("--cases", help="a comma-separated subset of the cases, e.g. 'lenet b128,cifar10_quick b100'")
     args = parser.parse_args()
+    cases = [c for c in CASES if not args.cases or f"{c[0]} b{c[1]}" in [x.strip() for x in args.cases.split(",")]]
     checkouts = {"this": HERE, "base": Path(args.base).resolve()}
     samples: dict[tuple[str, str], list[float]] = {}
     others: list[float] = []  # other processes' share of the CPU during each measurement
     workers = None
     for round_index in range(args.rounds):
         order = list(checkouts.items()) if round_index % 2 == 0 else list(reversed(checkouts.items()))
-        for name, batch, shape in CASES:
+        for name, batch, shape in cases:
             for label, checkout in order:
                 found = measure(checkout, name, batch, shape)
                 workers = found["workers"]
@@ -86,7 +88,7 @@ def main() -> None:
                       flush=True)
     machine = describe_machine()
     rows = []
-    for name, batch, _ in CASES:
+    for name, batch, _ in cases:
         case = f"{name} b{batch}"
         this, base = samples[(case, "this")], samples[(case, "base")]
         rows.append({"case": case, "this": this, "base": base,
@@ -94,7 +96,8 @@ def main() -> None:
     commits = {label: commit_of(checkout) for label, checkout in checkouts.items()}
     lines = [f"# Two checkouts side by side: {commits['this']} (this) against {commits['base']} (base)", "",
              f"{machine['cpu_model']}, {machine['physical_cores']} physical cores ({', '.join(machine['isa'])}), "
-             f"torch {machine['torch']}. `python scripts/ab_checkouts.py <base checkout> --rounds {args.rounds}`: "
+             f"torch {machine['torch']}. `python scripts/ab_checkouts.py <base checkout> --rounds {args.rounds}"
+             + (f" --cases '{args.cases}'" if args.cases else "") + "`: "
              f"{workers} workers, {WARMUP} warm-up steps then {STEPS} measured, SGD, synthetic data; "
              f"{args.rounds} rounds alternating the checkouts; samples/s, medians [min-max]. Other processes used "
              f"{statistics.median(others):.1f}% of the CPU during the median measurement (at most {max(others):.1f}%).",
