@@ -11,6 +11,7 @@ takes effect at the next step the workers finish.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
@@ -45,6 +46,19 @@ class Callback:
     def on_fit_end(self, trainer, result) -> None:
         """The run ended normally; ``result`` is the FitResult fit returns."""
 
+    def on_restart(self, trainer, step: int) -> None:
+        """The workers start again from step ``step`` (a restart after one failed, from the last
+        checkpoint or from the beginning): what came after it is to be forgotten."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What of this callback every checkpoint keeps, as plain data (numbers, strings, lists,
+        dicts), so that a resume or a restart goes on from where the checkpoint's step left it
+        (the best so far, the patience left); None (the default): it keeps nothing."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from what ``state_dict`` gave at a checkpoint."""
+
 
 class Callbacks:
     """The run's callbacks, called in order, each hook by name (Lightning Fabric's ``call``)."""
@@ -68,6 +82,25 @@ class Callbacks:
         """Hand a worker's event to the hook it names (``event.hook``)."""
         self.call(type(event).hook, trainer, event)
 
+    def states(self) -> dict[str, dict[str, Any]]:
+        """Every stateful callback's ``state_dict``, keyed by its class and place among that class's."""
+        return {key: state for key, callback in self._keyed() if (state := callback.state_dict()) is not None}
+
+    def load_states(self, states: dict[str, dict[str, Any]]) -> None:
+        """Each callback's state from ``states`` (a checkpoint's), where it holds one of that key."""
+        for key, callback in self._keyed():
+            if key in states:
+                callback.load_state_dict(states[key])
+
+    def _keyed(self) -> list[tuple[str, Callback]]:
+        seen: dict[str, int] = {}
+        keyed = []
+        for callback in self.callbacks:
+            name = type(callback).__qualname__
+            keyed.append((f"{name}#{seen.get(name, 0)}", callback))
+            seen[name] = seen.get(name, 0) + 1
+        return keyed
+
 
 class Records(Callback):
     """A callback that takes every progress and evaluation record as a plain dict, in ``write``
@@ -84,13 +117,17 @@ class Records(Callback):
 
 
 class History(Records):
-    """Every record, as plain dicts, for ``FitResult.history``."""
+    """Every record, as plain dicts, for ``FitResult.history``; after a restart, those of the steps
+    run again are not kept twice."""
 
     def __init__(self):
         self.records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+
+    def on_restart(self, trainer, step: int) -> None:
+        self.records = [record for record in self.records if record["step"] <= step]
 
 
 class OnLog(Records):
@@ -138,23 +175,49 @@ class NotebookBar(Callback):
         self._bar.close()
 
 
-def _better(mode: str, min_delta: float) -> Callable[[float, float | None], bool]:
-    if mode not in ("min", "max"):
-        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
-    if mode == "min":
-        return lambda value, best: best is None or value < best - min_delta
-    return lambda value, best: best is None or value > best + min_delta
+class Monitor(Callback):
+    """What EarlyStopping and BestCheckpoint share: one evaluation metric watched for improvement.
+
+    ``monitor`` is checked against what the run's evaluation reports before any worker starts;
+    a failed evaluation is passed over (said once), and a NaN value is never an improvement.
+    """
+
+    def __init__(self, monitor: str, mode: str, min_delta: float):
+        if mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
+        self.best: float | None = None
+        self._said_failed = False
+
+    def on_fit_start(self, trainer, plan) -> None:
+        who = type(self).__name__
+        if not plan.evaluates:
+            raise ConfigError(f"{who} monitors {self.monitor} after each evaluation, and this run evaluates nothing: "
+                              "pass eval_set=...")
+        if self.monitor not in plan.metrics:
+            raise ConfigError(f"{who} monitors {self.monitor}, which evaluation does not report (it reports "
+                              f"{', '.join(plan.metrics)}); set monitor to one of those")
+
+    def value(self, evaluation: Evaluation) -> float | None:
+        """The monitored value of ``evaluation``; None where it failed."""
+        if "eval_error" in evaluation.metrics:
+            if not self._said_failed:
+                log.warning("%s passes over the evaluation after step %d: it failed (and any other that fails)",
+                            type(self).__name__, evaluation.step)
+                self._said_failed = True
+            return None
+        return float(evaluation.metrics[self.monitor])
+
+    def improved(self, value: float) -> bool:
+        """Better than the best so far by more than ``min_delta`` (NaN never is)."""
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
 
 
-def _monitored(evaluation: Evaluation, monitor: str, who: str) -> float:
-    if monitor not in evaluation.metrics:
-        reported = ", ".join(sorted(k for k in evaluation.metrics if k.startswith("eval_"))) or "nothing"
-        raise ConfigError(f"{who} monitors {monitor}, which evaluation does not report (it reports {reported}); "
-                          "set monitor to one of those")
-    return float(evaluation.metrics[monitor])
-
-
-class EarlyStopping(Callback):
+class EarlyStopping(Monitor):
     """Stop when ``monitor`` has not improved for ``patience`` evaluations in a row.
 
     Improved means below the best so far by more than ``min_delta`` (``mode="min"``), or above
@@ -164,15 +227,22 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str = "eval_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
         if not (isinstance(patience, int) and patience >= 1):
             raise ConfigError(f"EarlyStopping's patience must be an integer >= 1, got {patience!r}")
-        self.monitor, self.patience = monitor, patience
-        self._improved = _better(mode, min_delta)
-        self.best: float | None = None
+        super().__init__(monitor, mode, min_delta)
+        self.patience = patience
         self.waited = 0
         self.stopped_after: int | None = None  # the step after which it stopped the run
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "waited": self.waited, "stopped_after": self.stopped_after}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.waited, self.stopped_after = state["best"], state["waited"], state["stopped_after"]
+
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
-        value = _monitored(evaluation, self.monitor, "EarlyStopping")
-        if self._improved(value, self.best):
+        value = self.value(evaluation)
+        if value is None:
+            return
+        if self.improved(value):
             self.best, self.waited = value, 0
             return
         self.waited += 1
@@ -183,27 +253,36 @@ class EarlyStopping(Callback):
                      evaluation.step, self.monitor, self.best, self.waited)
 
 
-class BestCheckpoint(Callback):
+class BestCheckpoint(Monitor):
     """Keep the checkpoint of the best ``monitor`` so far as ``<checkpoint dir>/best.pt``, beside
     the latest ones (which ``checkpoint_keep`` prunes; this one it does not touch). Resumable like
     any checkpoint: ``resume=<dir>/best.pt``."""
 
     def __init__(self, monitor: str = "eval_loss", mode: str = "min", min_delta: float = 0.0,
                  filename: str = "best.pt"):
-        self.monitor, self.filename = monitor, filename
-        self._improved = _better(mode, min_delta)
-        self.best: float | None = None
+        super().__init__(monitor, mode, min_delta)
+        self.filename = filename
         self.best_step: int | None = None
         self.path: Path | None = None  # where the best checkpoint is, once there is one
         self._wanted: int | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        # Asked while the checkpoint it waits for is being written: that one becomes the best.
+        return {"best": self.best, "best_step": self._wanted if self._wanted is not None else self.best_step,
+                "path": str(self.path) if self.path else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step = state["best"], state["best_step"]
+        self.path = Path(state["path"]) if state["path"] else None
+
     def on_fit_start(self, trainer, plan) -> None:
         if not trainer.config.checkpoint.dir:
             raise ConfigError("BestCheckpoint needs checkpoints: set checkpoint_dir")
+        super().on_fit_start(trainer, plan)
 
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
-        value = _monitored(evaluation, self.monitor, "BestCheckpoint")
-        if self._improved(value, self.best):
+        value = self.value(evaluation)
+        if value is not None and self.improved(value):
             self.best, self._wanted = value, evaluation.step
             trainer.should_checkpoint = True
 

@@ -55,9 +55,14 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradient became non-finite; no update was applied for that step."""
+    """The loss or the gradient became non-finite (no update was applied for that step), or an
+    update of finite gradients made the parameters so (``parameters=True``); no checkpoint of it."""
 
-    def __init__(self, step: int):
-        self.step = step
-        super().__init__(f"loss or gradient became non-finite at step {step} (no update applied, no checkpoint "
-                         "written); lower the learning rate, set clip_grad_norm, or use on_nan=skip")
+    def __init__(self, step: int, parameters: bool = False):
+        self.step, self.parameters = step, parameters
+        if parameters:
+            super().__init__(f"the parameters became non-finite at step {step}, from finite gradients (no checkpoint "
+                             "written of them): the optimizer's step overflowed; lower the learning rate")
+        else:
+            super().__init__(f"loss or gradient became non-finite at step {step} (no update applied, no checkpoint "
+                             "written); lower the learning rate, set clip_grad_norm, or use on_nan=skip")

@@ -13,6 +13,7 @@ from sn_trainer.cli.config import OptimConfig
     ({"optim": {"name": "lion"}}, "unknown optimizer 'lion'; choose one of sgd, adamw"),
     ({"optim": {"lr": 0}}, "optim.lr must be > 0, got 0"),
     ({"optim": {"lr": -0.1}}, "optim.lr must be > 0"),
+    ({"optim": {"lr": float("inf")}}, "optim.lr must be finite, got inf"),
     ({"optim": {"schedule": "linear"}}, "unknown schedule 'linear'; choose one of constant, cosine, step"),
     ({"optim": {"nesterov": True, "momentum": 0}}, "optim.nesterov=true needs optim.momentum > 0"),
     ({"optim": {"gamma": 2}}, r"optim.gamma must be in \(0, 1\]"),

@@ -27,8 +27,8 @@ def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks
     trainer = Trainer(workers=2, threads=1, batch_size=8, max_steps=1)
     layout = FlatLayout(model, world_size=2)
     plan = Plan(settings=trainer.settings, placement=trainer.placement, dataset_size=84, steps_per_epoch=10,
-                total_steps=1, start_step=0, loss_form="mean", phase_forms=(), evaluates=False, evaluate_only=False,
-                checkpointing=False)
+                total_steps=1, start_step=0, loss_form="mean", phase_forms=(), evaluates=False, metrics=(),
+                evaluate_only=False, checkpointing=False)
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     phases = [PhaseSpec("train", Objective(), sgd, None, (0,) * len(layout.slots))]
     run = Run(model=model, train=IndexSource(tiny_dataset(), trainer.settings), evaluation=None, objective=Objective(),

@@ -11,9 +11,11 @@ import os
 import pickle
 import re
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -28,12 +30,15 @@ _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, rng: list[Any],
           run: dict[str, Any], config: dict[str, Any] | None, schedule: dict[str, Any] | None = None,
-          ema: dict[str, torch.Tensor] | None = None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
+          ema: dict[str, torch.Tensor] | None = None, aliases: dict[str, str] | None = None,
+          callbacks: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The checkpoint's contents (``optimizer`` as ``engine.state.gather`` gives it; ``schedule``: a
     metric-driven scheduler's state, which a resume cannot replay; ``ema``: the parameters'
-    moving average by name; ``aliases``: the model's tied names, alias -> first name)."""
+    moving average by name; ``aliases``: the model's tied names, alias -> first name;
+    ``callbacks``: the stateful callbacks' states at this step, by ``Callbacks.states``' keys)."""
     return {"format": FORMAT, "version": VERSION, "step": step, "model": model, "optimizer": optimizer, "rng": rng,
-            "run": run, "config": config or {}, "schedule": schedule, "ema": ema, "aliases": aliases or {}}
+            "run": run, "config": config or {}, "schedule": schedule, "ema": ema, "aliases": aliases or {},
+            "callbacks": callbacks or {}}
 
 
 def is_finite(checkpoint: dict[str, Any]) -> bool:
@@ -41,11 +46,45 @@ def is_finite(checkpoint: dict[str, Any]) -> bool:
 
 
 class CheckpointDir:
-    """A directory of ``step-NNNNNNNNN.pt`` files, written atomically, the last ``keep`` kept."""
+    """A directory of ``step-NNNNNNNNN.pt`` files, written atomically, the last ``keep`` kept.
+
+    One run writes it at a time (``claimed``: a lock file naming the run's process); the files a
+    dead writer left half-written are removed, a live writer's never.
+    """
+
+    LOCK = ".lock"
 
     def __init__(self, path: str | os.PathLike, keep: int = 3):
         self.path = Path(path)
         self.keep = keep
+
+    @contextmanager
+    def claimed(self):
+        """This process writes the directory while the block runs; no other run may.
+
+        Raises:
+            CheckpointError: another live process is writing checkpoints here.
+        """
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = self.path / self.LOCK
+        while True:
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                holder = _pid_in(lock)
+                if holder is not None and holder != os.getpid() and psutil.pid_exists(holder):
+                    raise CheckpointError(f"{self.path} is being written by another run (process {holder}); give "
+                                          "this run a checkpoint directory of its own") from None
+                lock.unlink(missing_ok=True)  # left by a run that is gone (or by this process): take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            break
+        try:
+            yield self
+        finally:
+            if _pid_in(lock) == os.getpid():
+                lock.unlink(missing_ok=True)
 
     def check_writable(self) -> None:
         """Fail before training rather than at the first checkpoint.
@@ -111,10 +150,19 @@ class CheckpointDir:
             path.unlink(missing_ok=True)
         for stale in self.path.glob(".step-*.pt.tmp-*"):  # left by a writer that was killed
             try:
-                if int(stale.name.rsplit("-", 1)[1]) != os.getpid():
-                    stale.unlink(missing_ok=True)
+                writer = int(stale.name.rsplit("-", 1)[1])
             except ValueError:
                 continue
+            if writer != os.getpid() and not psutil.pid_exists(writer):  # a live writer's file is its own
+                stale.unlink(missing_ok=True)
+
+
+def _pid_in(lock: Path) -> int | None:
+    """The process a lock file names (None: it names none, or is gone)."""
+    try:
+        return int(lock.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:

@@ -47,7 +47,33 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
         # torchrun restarted every node after a failure: all go on from the last checkpoint in the
         # (shared) checkpoint directory.
         resume_from = Path(where) if files.CheckpointDir(where).latest() else None
+    if directory is not None:
+        _check_owned(directory, resume_from)
     return directory, resume_from
+
+
+def _check_owned(directory: files.CheckpointDir, resume_from: Path | None) -> None:
+    """A run writes only into a checkpoint directory that is empty or holds the run it continues
+    from its latest checkpoint: another run's files (or later ones of its own) would be pruned
+    against its own, and ``latest`` would name theirs.
+
+    Raises:
+        CheckpointError: names what the directory holds, and the two ways on.
+    """
+    held = directory.steps()
+    if not held:
+        return
+    latest = held[-1][1]
+    target = resume_from.resolve() if resume_from is not None else None
+    if target is not None and (target == directory.path.resolve() or target == latest.resolve()):
+        return
+    shown = ", ".join(str(step) for step, _ in held[-3:])
+    if target is None:
+        raise CheckpointError(f"{directory.path} already holds checkpoints (steps {shown}) of another run: resume=latest "
+                              "goes on from them, or give this run a new checkpoint directory")
+    raise CheckpointError(f"{directory.path} holds checkpoints (steps {shown}) later than or other than the one this "
+                          f"run resumes from ({resume_from}): they would be pruned against this run's and latest would "
+                          "name theirs; resume=latest, or give this run a new checkpoint directory")
 
 
 class Resumable(Protocol):
@@ -70,12 +96,14 @@ class Resumable(Protocol):
 
 @dataclass(frozen=True)
 class Resumed:
-    """A checkpoint cut for a launch: the step it reached, the weights' moving average, and each
-    worker's share (its phases' optimizer and scheduler state, its random state, the stream's place)."""
+    """A checkpoint cut for a launch: the step it reached, the weights' moving average, each
+    worker's share (its phases' optimizer and scheduler state, its random state, the stream's
+    place), and the run's stateful callbacks' states at that step."""
 
     step: int
     ema: dict[str, Any] | None
     shares: list[dict[str, Any]]
+    callbacks: dict[str, dict[str, Any]]
 
 
 def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, one_node: bool) -> Resumed:
@@ -113,7 +141,7 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
                           for phase, held, schedule in zip(run.phases, optimizers, schedules)],
                "rng": saved["rng"][rank] if same_streams else None, "stream": stream}
               for rank in range(workers)]
-    return Resumed(saved["step"], saved.get("ema"), shares)
+    return Resumed(saved["step"], saved.get("ema"), shares, saved.get("callbacks") or {})
 
 
 def check_same_run(saved: dict[str, Any], path, order: dict[str, Any], run_config: dict[str, Any] | None,

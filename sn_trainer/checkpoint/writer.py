@@ -11,6 +11,7 @@ from ..engine.events import CheckpointPart
 from ..engine.launch import unpack
 from ..engine.layout import FlatLayout
 from ..engine.phases import PhaseSpec
+from ..errors import TrainingDiverged
 from . import files
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class CheckpointWriter(Callback):
             return
         del self._parts[part.step]
         saved = self._assemble(part.step, [parts[r] for r in range(self.layout.world_size)])
+        if not files.is_finite(saved):  # finite gradients, and yet: an update overflowed
+            raise TrainingDiverged(part.step, parameters=True)
         try:
             self.last_saved = self.directory.save(saved)
         except OSError as exc:  # a full disk: stop, rather than train on with nothing to resume from
@@ -60,4 +63,5 @@ class CheckpointWriter(Callback):
         optimizer, schedule = files.phase_entries(optimizers, schedules)
         run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream")}
         return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
-                           schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"))
+                           schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
+                           callbacks=self.callbacks.states())

@@ -7,6 +7,7 @@ help texts, and the tests check them against each other.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -90,6 +91,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require(self.name in ("sgd", "adamw"), f"unknown optimizer {self.name!r}; choose one of sgd, adamw")
         require(isinstance(self.lr, (int, float)) and self.lr > 0, f"optim.lr must be > 0, got {self.lr!r}")
+        require(math.isfinite(self.lr), f"optim.lr must be finite, got {self.lr!r}")
         require(self.momentum >= 0, f"optim.momentum must be >= 0, got {self.momentum}")
         require(not self.nesterov or self.momentum > 0, "optim.nesterov=true needs optim.momentum > 0")
         require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")

@@ -47,6 +47,7 @@ class Plan:
     loss_form: str  # how the first phase's scalar loss splits over samples (engine.objective's forms)
     phase_forms: tuple[tuple[str, str], ...]  # with several phases: each one's name and loss form
     evaluates: bool  # after each epoch (or every eval_every steps) and after the last step
+    metrics: tuple[str, ...]  # what an evaluation reports, by name (eval_samples, eval_loss, ...), sorted
     evaluate_only: bool
     checkpointing: bool  # send state to the launcher (on schedule, at the end, on stop)
 

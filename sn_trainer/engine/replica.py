@@ -273,9 +273,8 @@ class Replica:
         if sums[-1] > 0:
             return {"eval_error": error or "evaluation failed in another worker"}
         result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
-        for k, key in enumerate(keys):
-            if sums[2 * k + 1] > 0:
-                result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item()
+        for k, key in enumerate(keys):  # a metric that counted nothing is NaN, as a mean of nothing is
+            result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item() if sums[2 * k + 1] > 0 else math.nan
         return result
 
     def state_part(self, step_done: int) -> bytes:

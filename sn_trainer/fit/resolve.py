@@ -120,7 +120,8 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
-                evaluates=evaluation is not None, evaluate_only=False, checkpointing=checkpoints is not None)
+                evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
+                evaluate_only=False, checkpointing=checkpoints is not None)
     return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
                layout=FlatLayout(model, placement.workers, settings.channels_last, settings.shards),
                findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,
@@ -148,11 +149,18 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
                                    ema_decay=None, sync_batchnorm=False)
     plan = Plan(settings=settings, placement=placement, dataset_size=evaluation.size, steps_per_epoch=1,
                 total_steps=0, start_step=0, loss_form=objective.form, phase_forms=(), evaluates=True,
-                evaluate_only=True, checkpointing=False)
+                metrics=reported(findings.eval_keys, settings), evaluate_only=True, checkpointing=False)
     return Run(model=given.model, train=None, evaluation=evaluation, objective=objective, phases=[],
                layout=FlatLayout(given.model, placement.workers, settings.channels_last), findings=findings,
                first_plan=plan, checkpoints=None, resume_from=None, sample_order={}, run_config=None,
                initial_state={})
+
+
+def reported(eval_keys: tuple[str, ...], settings: TrainerConfig) -> tuple[str, ...]:
+    """What an evaluation reports: its samples, each of its sums (``eval_<key>``), and with
+    ema_decay each again for the weights' moving average (``eval_ema_<key>``)."""
+    averaged = [f"eval_ema_{key}" for key in eval_keys] if settings.ema_decay is not None else []
+    return tuple(sorted({"eval_samples", *(f"eval_{key}" for key in eval_keys), *averaged}))
 
 
 def steps(settings: TrainerConfig, num_samples: int) -> tuple[int, int]:

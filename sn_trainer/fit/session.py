@@ -3,6 +3,7 @@ the last checkpoint (up to ``max_restarts``). What the workers of a launch share
 before they start, and given back when they are gone."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -96,11 +97,15 @@ class Session:
         trainer.should_stop = trainer.should_checkpoint = False
         stop.reset()
         self.callbacks.call("on_fit_start", trainer, run.plan(0))
-        with graceful_stop(stop):
+        initial = self.callbacks.states()  # what a restart from the initial parameters goes back to
+        with graceful_stop(stop), run.checkpoints.claimed() if run.checkpoints else contextlib.nullcontext():
             while True:
                 resumed = resume(resume_from, run, run.settings, run.first_plan.workers, self.cluster is None) \
                     if resume_from else None
                 plan = run.plan(resumed.step if resumed else 0)
+                self.callbacks.load_states(resumed.callbacks if resumed else initial)
+                if restarts:
+                    self.callbacks.call("on_restart", trainer, plan.start_step)
                 try:
                     launcher_cpu = -own_cpu_seconds()
                     results, peak, ema = launch_workers(run, plan, stop, self.cluster, self.deliver, resumed)

@@ -34,9 +34,18 @@ class ProgressLog(Records):
         self._step = 0
 
     def write(self, record: dict[str, Any]) -> None:
+        if "eval_error" in record:  # the evaluation failed; training goes on, and so does this log
+            last = record["eval_error"].strip().splitlines()[-1] if record["eval_error"].strip() else "?"
+            text = (f"evaluation after step {record['step']} failed, training goes on (FitResult.eval_error and "
+                    f"summary.json have the traceback): {last}")
+            if self._bar is not None:
+                self._bar.write(text)
+            else:
+                log.warning(text)
+            return
         self._csv.writerow(record)
         self._file.flush()
-        if "eval_loss" in record:
+        if "loss" not in record:  # an evaluation's record
             text = (f"epoch {record['epoch']:.2f}: eval loss {record['eval_loss']:.4f}"
                     + (f", accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else "")
                     + (f"; the weights' moving average: loss {record['eval_ema_loss']:.4f}"

@@ -33,6 +33,8 @@ class TensorBoardLog(Records):
                 continue
             if key in SCALARS:
                 self.writer.add_scalar(SCALARS[key], value, step)
+            elif key == "eval_error":  # a failed evaluation: its traceback, as text
+                self.writer.add_text("eval/error", f"```\n{value}\n```", step)
             elif key.startswith("eval_") and key != "eval_samples":
                 self.writer.add_scalar(f"eval/{key[5:]}", value, step)
             elif key == "stage_ms":

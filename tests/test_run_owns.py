@@ -1,0 +1,224 @@
+"""A run owns its checkpoint folder, and what a side effect does wrong never takes training down.
+
+Each test here failed before the change it checks (issue "Never lose a run"): a fresh run in
+another run's folder pruned its own checkpoints and resumed the other's; a live writer's file was
+pruned; a failing evaluation killed the run from the loggers and monitors; a misspelt monitor
+was found after a whole epoch; a metric that counted nothing vanished and NaN became a best; an
+update that overflowed the parameters ended in a bare RuntimeError.
+"""
+import csv
+import functools
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from helpers import SmallConvNet, tiny_dataset
+from sn_trainer import BestCheckpoint, Callback, CheckpointError, ConfigError, EarlyStopping, Trainer, \
+    TrainingDiverged
+from sn_trainer.checkpoint import CheckpointDir
+from sn_trainer.report.metrics import ProgressLog
+from sn_trainer.report.tensorboard import TensorBoardLog
+
+pytestmark = pytest.mark.timeout(180)
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+def fit(folder, steps, every, **settings):
+    return Trainer(workers=2, batch_size=8, max_steps=steps, checkpoint_dir=str(folder), checkpoint_every_steps=every,
+                   **settings).fit(SmallConvNet(), tiny_dataset(), optimizer=SGD)
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path):
+    fit(tmp_path, 6, 2)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(steps 2, 4, 6\) of another run: "
+                                              r"resume=latest goes on from them, or give this run a new checkpoint"):
+        fit(tmp_path, 15, 5)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before  # nothing saved is touched
+    with pytest.raises(CheckpointError, match=r"later than or other than the one this run resumes from"):
+        fit(tmp_path, 15, 5, resume=str(tmp_path / "step-000000002.pt"))  # would branch from its own past
+    result = fit(tmp_path, 15, 5, resume="latest")  # going on owns the folder
+    assert result.last_checkpoint == str(tmp_path / "step-000000015.pt") and Path(result.last_checkpoint).exists()
+    assert CheckpointDir(tmp_path).latest().name == "step-000000015.pt"
+
+
+def test_a_folder_another_live_run_writes_is_refused_and_a_dead_ones_taken_over(tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / CheckpointDir.LOCK).write_text(str(live.pid))
+        with pytest.raises(CheckpointError, match=f"is being written by another run \\(process {live.pid}\\); give "
+                                                  "this run a checkpoint directory of its own"):
+            fit(tmp_path, 4, 2)
+        assert CheckpointDir(tmp_path).steps() == []
+    finally:
+        live.kill()
+        live.wait()
+    # The same lock, its process gone: taken over, and let go at the end.
+    result = fit(tmp_path, 4, 2)
+    assert result.last_checkpoint is not None and not (tmp_path / CheckpointDir.LOCK).exists()
+
+
+def test_pruning_leaves_a_live_writers_file_alone(tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        tmp_path.mkdir(exist_ok=True)
+        writing = tmp_path / f".step-000000009.pt.tmp-{live.pid}"
+        left = tmp_path / f".step-000000009.pt.tmp-{gone.pid}"
+        writing.write_bytes(b"half"), left.write_bytes(b"half")
+        CheckpointDir(tmp_path)._prune()
+        assert writing.exists() and not left.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_command_line_runs_started_together_get_folders_of_their_own(tmp_path):
+    command = [sys.executable, "-m", "sn_trainer", "dataset=synthetic", "dataset.train_size=64", "dataset.test_size=16",
+               "model=mlp", "workers=1", "batch_size=32", "max_steps=2", "logger=none"]
+    runs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outcomes = [run.communicate(timeout=150) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outcomes
+    folders = sorted(p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir())
+    assert len(folders) == 2 and all((folder / "summary.json").exists() for folder in folders)
+
+
+class BreaksAfterFlag(Dataset):
+    """An evaluation set whose items fail once ``flag`` exists (a disk gone, a corrupt file)."""
+
+    def __init__(self, inner, flag: str):
+        self.inner, self.flag = inner, flag
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if os.path.exists(self.flag):
+            raise KeyError("the evaluation set broke")
+        return self.inner[index]
+
+
+class FlagsAfterFirstEvaluation(Callback):
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def on_eval_end(self, trainer, evaluation):
+        Path(self.flag).touch()
+
+
+def test_a_failing_evaluation_takes_down_no_logger_monitor_or_checkpoint(tmp_path, caplog):
+    flag = str(tmp_path / "broken")
+    callbacks = [FlagsAfterFirstEvaluation(flag), ProgressLog(tmp_path, 9, show_bar=False), TensorBoardLog(tmp_path),
+                 EarlyStopping(patience=1), BestCheckpoint()]
+    with caplog.at_level(logging.WARNING, logger="sn_trainer"):
+        result = Trainer(workers=2, batch_size=8, max_steps=9, eval_every=3, checkpoint_dir=str(tmp_path / "ckpt")).fit(
+            SmallConvNet(), tiny_dataset(), eval_set=BreaksAfterFlag(tiny_dataset(24, seed=4), flag), optimizer=SGD,
+            callbacks=callbacks)
+    callbacks[1].close()
+    callbacks[2].close()
+    assert result.steps == 9 and result.stopped_early is None  # trained on to the end
+    assert "KeyError: 'the evaluation set broke'" in result.eval_error
+    assert CheckpointDir(tmp_path / "ckpt").latest().name == "step-000000009.pt"
+    assert callbacks[4].best_step == 3 and (tmp_path / "ckpt" / "best.pt").exists()  # the one evaluation that worked
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("EarlyStopping passes over the evaluation after step 6" in m for m in said) == 1  # once, not per failure
+    assert sum("evaluation after step" in m and "failed, training goes on" in m for m in said) == 2  # steps 6 and 9
+    with open(tmp_path / "metrics.csv") as rows:
+        assert [row["step"] for row in csv.DictReader(rows) if row["eval_loss"]] == ["3"]  # what evaluated, as it was
+
+
+class Records(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, trainer, record):
+        self.steps.append(record.step)
+
+
+def test_a_misspelt_monitor_is_refused_before_any_step_trains():
+    seen = Records()
+    with pytest.raises(ConfigError, match=r"EarlyStopping monitors eval_los, which evaluation does not report"):
+        Trainer(workers=2, batch_size=8, epochs=3, log_every=1).fit(
+            SmallConvNet(), tiny_dataset(), eval_set=tiny_dataset(24), optimizer=SGD,
+            callbacks=[seen, EarlyStopping(monitor="eval_los")])
+    assert seen.steps == []
+    with pytest.raises(ConfigError, match=r"BestCheckpoint monitors eval_loss after each evaluation, and this run "
+                                          r"evaluates nothing: pass eval_set=\.\.\."):
+        Trainer(workers=1, batch_size=8, max_steps=2, checkpoint_dir="unused").fit(
+            SmallConvNet(), tiny_dataset(), optimizer=SGD, callbacks=[BestCheckpoint()])
+
+
+def positives(model, batch):
+    """The mean score of the positive class's samples: it counts nothing where the batch has none."""
+    inputs, targets = batch
+    kept = targets == 99
+    return {"positives": (model(inputs)[kept].sum(), int(kept.sum()))}
+
+
+def test_a_metric_that_counts_nothing_is_nan_and_never_a_best():
+    stopper = EarlyStopping(monitor="eval_positives", patience=2)
+    result = Trainer(workers=2, batch_size=8, max_steps=20, eval_every=4).fit(
+        SmallConvNet(), tiny_dataset(), eval_set=tiny_dataset(24), optimizer=SGD, metric_fn=positives,
+        callbacks=[stopper])
+    assert "eval_positives" in result.eval_metrics and result.eval_metrics["eval_positives"] != \
+        result.eval_metrics["eval_positives"]  # NaN
+    assert stopper.best is None and result.stopped_early == 8  # two evaluations without a value: out of patience
+
+
+def test_an_update_that_overflows_the_parameters_is_a_divergence_naming_its_step(tmp_path):
+    with pytest.raises(TrainingDiverged, match="the parameters became non-finite at step 1, from finite gradients"):
+        Trainer(workers=2, batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every_steps=1).fit(
+            SmallConvNet(), tiny_dataset(), optimizer=functools.partial(torch.optim.SGD, lr=float("inf")))
+    assert CheckpointDir(tmp_path).steps() == []
+
+
+# Every step worse on the training set, evaluated on it: the best evaluation is the first.
+ASCENT = functools.partial(torch.optim.SGD, lr=0.05, maximize=True)
+
+
+def test_best_checkpoint_after_a_resume_keeps_the_best_so_far(tmp_path):
+    def run(folder, steps, resume=None):
+        torch.manual_seed(0)
+        best = BestCheckpoint()
+        Trainer(workers=2, batch_size=8, max_steps=steps, eval_every=2, checkpoint_dir=str(folder), resume=resume,
+                checkpoint_every_steps=2).fit(SmallConvNet(), tiny_dataset(), eval_set=tiny_dataset(),
+                                              optimizer=ASCENT, callbacks=[best])
+        return best
+
+    straight = run(tmp_path / "straight", 10)
+    run(tmp_path / "stopped", 4)
+    resumed = run(tmp_path / "stopped", 10, resume="latest")
+    assert straight.best_step == 2 and resumed.best_step == 2 and resumed.best == pytest.approx(straight.best)
+    saved = torch.load(tmp_path / "stopped" / "best.pt", weights_only=True)
+    assert saved["step"] == 2 and saved["callbacks"]["BestCheckpoint#0"]["best_step"] == 2
+
+
+def test_a_restart_rewinds_the_callbacks_and_the_history_to_its_checkpoint(tmp_path):
+    from helpers import Bomb, assert_same_parameters
+
+    def run(name, bomb):
+        torch.manual_seed(0)
+        model = SmallConvNet()
+        if bomb:  # each worker's 10th forward is step 7's: after the evaluation of step 6, past the checkpoint of 4
+            model = Bomb(model, str(tmp_path / "flag"), "kill", at_call=10)
+        stopper = EarlyStopping(patience=3)
+        result = Trainer(workers=2, batch_size=8, max_steps=16, eval_every=2, log_every=1, max_restarts=1, seed=3,
+                         checkpoint_dir=str(tmp_path / name), checkpoint_every_steps=4).fit(
+            model, tiny_dataset(), eval_set=tiny_dataset(), optimizer=ASCENT, callbacks=[stopper])
+        return model, result, stopper
+
+    model, straight, stopper = run("straight", bomb=False)
+    crashed_model, crashed, crashed_stopper = run("crashed", bomb=True)
+    assert crashed.restarts == 1 and (tmp_path / "flag").exists()
+    assert straight.stopped_early == crashed.stopped_early == 8 and crashed_stopper.waited == stopper.waited == 3
+    assert [r["step"] for r in crashed.history] == [r["step"] for r in straight.history]  # none twice
+    assert_same_parameters(crashed_model.inner, model)
