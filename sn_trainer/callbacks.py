@@ -26,7 +26,16 @@ log = logging.getLogger(__name__)
 
 
 class Callback:
-    """The hooks of a run; every one does nothing unless overridden."""
+    """The hooks of a run; every one does nothing unless overridden.
+
+    A callback may stop the run (``trainer.should_stop``) or ask for a checkpoint in any hook, and
+    what it asks applies to the step it was told of: after a progress record the workers wait for
+    the callbacks that override ``on_step_end`` (after an evaluation, for all). A callback that
+    only watches (writes logs, draws) says so with ``observes_only = True``: the workers need not
+    wait for it.
+    """
+
+    observes_only = False
 
     def on_fit_start(self, trainer, plan) -> None:
         """Before the workers start; ``plan`` is what the run was resolved to (``engine.plan.Plan``)."""
@@ -92,6 +101,11 @@ class Callbacks:
             if key in states:
                 callback.load_state_dict(states[key])
 
+    def steer_steps(self) -> bool:
+        """Whether a callback may act on a progress record (it overrides ``on_step_end`` and does
+        not only observe): then the workers wait for the callbacks after each one."""
+        return any(type(c).on_step_end is not Callback.on_step_end and not c.observes_only for c in self.callbacks)
+
     def _keyed(self) -> list[tuple[str, Callback]]:
         seen: dict[str, int] = {}
         keyed = []
@@ -105,6 +119,8 @@ class Callbacks:
 class Records(Callback):
     """A callback that takes every progress and evaluation record as a plain dict, in ``write``
     (what metrics.csv, TensorBoard, MLflow, history and on_log all want)."""
+
+    observes_only = True  # a record is written, never acted on
 
     def on_step_end(self, trainer, record: Progress) -> None:
         self.write(record.record())
@@ -151,6 +167,8 @@ def in_notebook() -> bool:
 class NotebookBar(Callback):
     """In a notebook, fit's progress: tqdm's notebook bar over the steps, with the loss, samples/s
     and the last evaluation (fit adds it when it runs in a Jupyter kernel)."""
+
+    observes_only = True
 
     def __init__(self):
         self._bar, self._step, self._shown = None, 0, {}

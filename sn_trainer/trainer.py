@@ -141,7 +141,7 @@ class Trainer:
                            *([NotebookBar()] if in_notebook() else []), *(callbacks or [])])
         run = resolve_fit(FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
                                     param_groups, phases, collate_fn, eval_collate_fn, run_config),
-                          *self._settled_for(model), self.cluster)
+                          *self._settled_for(model), self.cluster, progress_awaited=hooks.steer_steps())
         session = Session(run, self, hooks, self._stop, self.cluster)
         result = fit_result(session.train(), history.records, session.writer.last_saved, self._stop, run.train.kind)
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out

@@ -6,10 +6,12 @@ pruned; a failing evaluation killed the run from the loggers and monitors; a mis
 was found after a whole epoch; a metric that counted nothing vanished and NaN became a best; an
 update that overflowed the parameters ended in a bare RuntimeError.
 """
+import copy
 import csv
 import functools
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch.utils.data import Dataset
 
 from helpers import SmallConvNet, tiny_dataset
 from sn_trainer import BestCheckpoint, Callback, CheckpointError, ConfigError, EarlyStopping, Trainer, \
-    TrainingDiverged
+    TrainingDiverged, TrainingInterrupted
 from sn_trainer.checkpoint import CheckpointDir
 from sn_trainer.report.metrics import ProgressLog
 from sn_trainer.report.tensorboard import TensorBoardLog
@@ -183,6 +185,7 @@ def test_an_update_that_overflows_the_parameters_is_a_divergence_naming_its_step
 
 # Every step worse on the training set, evaluated on it: the best evaluation is the first.
 ASCENT = functools.partial(torch.optim.SGD, lr=0.05, maximize=True)
+ASCENT_GENTLE = functools.partial(torch.optim.SGD, lr=0.01, maximize=True)  # a plateau scheduler halves it
 
 
 def test_best_checkpoint_after_a_resume_keeps_the_best_so_far(tmp_path):
@@ -222,3 +225,83 @@ def test_a_restart_rewinds_the_callbacks_and_the_history_to_its_checkpoint(tmp_p
     assert straight.stopped_early == crashed.stopped_early == 8 and crashed_stopper.waited == stopper.waited == 3
     assert [r["step"] for r in crashed.history] == [r["step"] for r in straight.history]  # none twice
     assert_same_parameters(crashed_model.inner, model)
+
+
+class StopsAtStep(Callback):
+    """Asks the run to stop when told of step ``step`` (a logged step)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, record):
+        if record.step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_callbacks_stop_applies_to_the_step_it_saw_and_that_model_is_evaluated():
+    from helpers import assert_exact, cross_entropy, plain_fit
+
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    data, test = tiny_dataset(dtype=torch.float64), tiny_dataset(24, seed=4, dtype=torch.float64)
+    reference = plain_fit(copy.deepcopy(model), data, 8, 3, 3, lambda m: SGD(m.parameters()), cross_entropy)
+    for _ in range(3):  # every time: the decision never depends on how fast the launcher was
+        trained = copy.deepcopy(model)
+        result = Trainer(workers=2, batch_size=8, max_steps=40, log_every=1, eval_every=10, seed=3).fit(
+            trained, data, eval_set=test, optimizer=SGD, callbacks=[StopsAtStep(3)])
+        assert result.steps == result.stopped_early == 3
+        assert_exact(trained, reference)
+        with torch.no_grad():
+            assert result.eval_loss == pytest.approx(cross_entropy(reference.eval(), test.tensors).item(), rel=1e-10)
+
+
+def halving_on_plateau(optimizer):
+    return {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0),
+            "monitor": "eval_loss"}
+
+
+class SignalsAtStep(Callback):
+    """SIGTERM to this process when told of step ``step``, as a scheduler's would arrive then."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, record):
+        if record.step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Evaluations(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_eval_end(self, trainer, evaluation):
+        self.steps.append(evaluation.step)
+
+
+@pytest.mark.parametrize("at", [4, 5])  # the step before an evaluation, and the evaluation's own
+def test_a_signal_stops_at_the_step_it_came_on_keeping_its_evaluation_and_the_resume_changes_nothing(tmp_path, at):
+    from helpers import assert_exact
+
+    def run(callbacks, folder, resume=None):
+        torch.manual_seed(0)
+        model = SmallConvNet().double()
+        trainer = Trainer(workers=2, batch_size=8, max_steps=15, log_every=1, eval_every=5, seed=3, resume=resume,
+                          checkpoint_dir=str(tmp_path / folder))
+        return model, lambda: trainer.fit(model, tiny_dataset(dtype=torch.float64), optimizer=ASCENT_GENTLE,
+                                          eval_set=tiny_dataset(24, seed=4, dtype=torch.float64),
+                                          scheduler=halving_on_plateau, callbacks=callbacks)
+
+    straight_model, fit_straight = run([], "straight")
+    straight = fit_straight()
+    before = Evaluations()
+    _, fit_stopped = run([before, SignalsAtStep(at)], "stopped")
+    with pytest.raises(TrainingInterrupted) as stopped:
+        fit_stopped()
+    assert stopped.value.step == at and stopped.value.checkpoint.name == f"step-{at:09d}.pt"
+    after = Evaluations()
+    resumed_model, fit_resumed = run([after], "stopped", resume="latest")
+    resumed = fit_resumed()
+    assert [r["step"] for r in straight.history if "eval_loss" in r] == [5, 10, 15] == before.steps + after.steps
+    assert resumed.eval_loss == pytest.approx(straight.eval_loss, rel=1e-10)
+    assert_exact(resumed_model, straight_model)  # the plateau scheduler stepped on the same losses

@@ -27,6 +27,7 @@ class Progress:
     samples_per_sec: float
     stage_ms: dict[str, float] = field(default_factory=dict)  # milliseconds per step in each stage of a step
     phase_losses: dict[str, float] = field(default_factory=dict)
+    awaited: bool = False  # worker 0 waits for the launcher's callbacks to have seen it (they may stop the run)
 
     def record(self) -> dict[str, Any]:
         """As a plain record (FitResult.history, on_log, metrics.csv): ``loss_<name>`` per phase."""

@@ -50,6 +50,7 @@ class Plan:
     metrics: tuple[str, ...]  # what an evaluation reports, by name (eval_samples, eval_loss, ...), sorted
     evaluate_only: bool
     checkpointing: bool  # send state to the launcher (on schedule, at the end, on stop)
+    progress_awaited: bool = False  # after a progress record, the workers wait for the callbacks (they may stop)
 
     @property
     def runtime(self) -> Runtime:

@@ -5,8 +5,9 @@ signal reaches them, so ``kill -TERM <launcher>``, ``kill -TERM <worker>`` and `
 -<group>`` (what schedulers do) all end the same way. Worker 0 reads it after each step and
 names the step every worker stops after; a second signal to the launcher stops at once. The
 launcher's callbacks ask through the same flags: to stop (``ask``), and for a checkpoint of the
-step just evaluated (``save_at``); worker 0 waits after each evaluation until the launcher has
-heard of it (``acknowledge``), so what the callbacks decide there applies to that very step.
+step just evaluated (``save_at``); worker 0 waits after each evaluation (and each awaited progress
+record) until the launcher has heard of it (``acknowledge``), so what the callbacks decide there
+applies to that very step.
 """
 from __future__ import annotations
 
@@ -17,21 +18,22 @@ from contextlib import contextmanager
 
 import torch
 
-_SIGNAL, _STOP_AT, _ASKED, _ACKNOWLEDGED, _SAVE_AT = range(5)
+_SIGNAL, _STOP_AT, _ASKED, _ACKNOWLEDGED, _SAVE_AT, _ASKED_STOP = range(6)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopFlags:
     """Shared int64 flags: the first stop signal received anywhere (0: none), the step to stop
-    after, a stop asked by a callback, the last evaluation the launcher has heard of, and a step
-    whose checkpoint a callback asked for."""
+    after, a stop asked by a callback, the last event the launcher has heard of (that worker 0
+    waits for), a step whose checkpoint a callback asked for, and whether the stop decided was a
+    callback's (the run ends there) rather than a signal's (the run is to be resumed)."""
 
     def __init__(self, block: torch.Tensor):
         self.block = block
 
     @classmethod
     def allocate(cls) -> "StopFlags":
-        return cls(torch.zeros(5, dtype=torch.int64).share_memory_())
+        return cls(torch.zeros(6, dtype=torch.int64).share_memory_())
 
     def request(self, signum: int) -> None:
         if int(self.block[_SIGNAL]) == 0:
@@ -50,7 +52,13 @@ class StopFlags:
     def decide(self, step_done: int) -> None:
         """Worker 0, after a step, before the closing barrier: all workers stop after this step."""
         if (self.signal or int(self.block[_ASKED])) and not int(self.block[_STOP_AT]):
+            self.block[_ASKED_STOP] = 0 if self.signal else 1  # read after the barrier: the same in all
             self.block[_STOP_AT] = step_done
+
+    def ends_run(self) -> bool:
+        """Whether the stop decided was asked by a callback: the run ends there (a signal's is
+        resumed from its checkpoint)."""
+        return bool(int(self.block[_ASKED_STOP]))
 
     def stops_after(self, step_done: int) -> bool:
         return int(self.block[_STOP_AT]) == step_done
@@ -62,13 +70,14 @@ class StopFlags:
     def saves_at(self, step_done: int) -> bool:
         return int(self.block[_SAVE_AT]) == step_done
 
-    def acknowledge(self, step_done: int) -> None:
-        """The launcher has handed the evaluation of ``step_done`` to its callbacks."""
-        self.block[_ACKNOWLEDGED] = step_done
+    def acknowledge(self) -> None:
+        """The launcher has handed one more of the events worker 0 waits for to its callbacks."""
+        self.block[_ACKNOWLEDGED] += 1
 
-    def wait_for_acknowledgement(self, step_done: int) -> None:
-        """Worker 0, after sending an evaluation: until the launcher has heard of it."""
-        while int(self.block[_ACKNOWLEDGED]) < step_done:
+    def wait_for_acknowledgement(self, sent: int) -> None:
+        """Worker 0, having sent ``sent`` events it waits for (evaluations, awaited progress records)
+        in this launch: until the launcher has handed all of them to its callbacks."""
+        while int(self.block[_ACKNOWLEDGED]) < sent:
             time.sleep(0.0005)  # another process's write to shared memory: nothing to block on
 
     def reset(self) -> None:
@@ -80,6 +89,7 @@ class StopFlags:
         self.block[_STOP_AT] = 0
         self.block[_ACKNOWLEDGED] = 0
         self.block[_SAVE_AT] = 0
+        self.block[_ASKED_STOP] = 0
 
 
 def stop_on_signals(flags: StopFlags) -> None:

@@ -116,14 +116,16 @@ class Meter:
         if step == self.plan.start_step:
             self.first_step_seconds = time.perf_counter() - self._step_started
 
-    def progress(self, done: int, losses: list[float], lr: float | None, names: list[str]) -> Progress:
+    def progress(self, done: int, losses: list[float], lr: float | None, names: list[str],
+                 awaited: bool) -> Progress:
         """The record of step ``done``: its loss, and speed and stage times since the last record."""
         now = time.perf_counter()
         steps = done - self.last_log_step
         stage_ms = {s: 1000 * (self.timer.seconds[s] - self.last_log_stages[s]) / steps for s in STEP_STAGES}
         named = dict(zip(names, losses)) if len(losses) > 1 else {}
         record = Progress(done, done / self.plan.steps_per_epoch, losses[0], lr,
-                          self.plan.samples(self.last_log_step, done) / (now - self.last_log_time), stage_ms, named)
+                          self.plan.samples(self.last_log_step, done) / (now - self.last_log_time), stage_ms, named,
+                          awaited)
         self.last_log_step, self.last_log_time, self.last_log_stages = done, now, dict(self.timer.seconds)
         return record
 
@@ -153,6 +155,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     meter = Meter(replica, beat)
     profiler = Profiler(plan.settings.profile_dir, meter.measure_from, plan.settings.profile_steps, replica.rank)
     eval_metrics, loss, skipped, stopped_at, diverged_at = {}, float("nan"), 0, None, None
+    awaited_sent = 0  # events worker 0 sent that it waits for the launcher to have seen
     for step in range(plan.start_step, plan.total_steps):
         meter.before(step)
         profiler.before(step)
@@ -167,16 +170,31 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
                 break
             skipped += 1
         stopping = launch.stop.stops_after(done)  # a signal (or a callback) asked, and worker 0 decided
-        if not stopping and reporting and plan.logs_after(done):
-            send(meter.progress(done, losses, replica.lr_used, [phase.spec.name for phase in replica.phases]))
+        due = plan.evaluates_after(done)
+        if plan.logs_after(done):
+            # Awaited where a callback may act on it: what it asks then applies to this very step.
+            awaited = plan.progress_awaited and not due and not stopping
+            if reporting:
+                send(meter.progress(done, losses, replica.lr_used, [phase.spec.name for phase in replica.phases],
+                                    awaited))
+            if awaited:
+                with meter.timer("wait"):
+                    if reporting:
+                        awaited_sent += 1
+                        launch.stop.wait_for_acknowledgement(awaited_sent)
+                    replica.agree_on_stop(done)
+                stopping = launch.stop.stops_after(done)
         evaluated = None
-        if not stopping and plan.evaluates_after(done):
+        # A stop is a state the uninterrupted run passes through too: an evaluation due at its step
+        # is made; and where a callback ends the run, the model it returns is evaluated at its end.
+        if due or (stopping and plan.evaluates and launch.stop.ends_run()):
             started = time.perf_counter()
             eval_metrics = evaluated = replica.evaluate(beat)
             if reporting:
                 beat("sync")
                 send(Evaluation(done, done / plan.steps_per_epoch, eval_metrics))
-                launch.stop.wait_for_acknowledgement(done)  # what the callbacks decide applies to this step
+                awaited_sent += 1
+                launch.stop.wait_for_acknowledgement(awaited_sent)  # what the callbacks decide applies to this step
             replica.agree_on_stop(done)
             meter.evaluated(time.perf_counter() - started)
             stopping = launch.stop.stops_after(done)

@@ -89,9 +89,11 @@ class Run:
         return [(found.optimizer_class, found.optimizer_state_keys) for found in self.findings.phases]
 
 
-def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement, cluster: Cluster | None) -> Run:
+def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement, cluster: Cluster | None,
+                progress_awaited: bool = False) -> Run:
     """Check everything, rehearse the user's code on one micro-batch, and decide every setting of
-    the run once (``settings`` have the machine's choices decided already).
+    the run once (``settings`` have the machine's choices decided already; ``progress_awaited``:
+    a callback may act on progress records, so the workers wait for the callbacks after each).
 
     Raises:
         ConfigError, DataError, CheckpointError, UserCodeError: before any worker starts.
@@ -121,7 +123,7 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
                 evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
-                evaluate_only=False, checkpointing=checkpoints is not None)
+                evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited)
     return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
                layout=FlatLayout(model, placement.workers, settings.channels_last, settings.shards),
                findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,

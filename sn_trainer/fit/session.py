@@ -58,6 +58,8 @@ class StopRequests(Callback):
 
     def on_step_end(self, trainer, record) -> None:
         self._pass_on(trainer)
+        if record.awaited:
+            self.stop.acknowledge()  # worker 0 waits for this, then the workers go on
 
     def on_checkpoint_part(self, trainer, part) -> None:
         self._pass_on(trainer)
@@ -67,7 +69,7 @@ class StopRequests(Callback):
             self.stop.save_at(evaluation.step)
             trainer.should_checkpoint = False
         self._pass_on(trainer)
-        self.stop.acknowledge(evaluation.step)  # worker 0 waits for this, then the workers go on
+        self.stop.acknowledge()  # worker 0 waits for this, then the workers go on
 
     def _pass_on(self, trainer) -> None:
         if trainer.should_stop:
