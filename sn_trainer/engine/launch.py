@@ -12,6 +12,7 @@ import collections
 import ctypes
 import io
 import logging
+import marshal
 import os
 import pickle
 import queue
@@ -20,6 +21,7 @@ import signal
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
@@ -43,19 +45,32 @@ _PR_SET_PDEATHSIG = 1
 
 
 
-class WorkerPickler(cloudpickle.Pickler):
-    """How a launch reaches its workers: cloudpickle, so that classes and functions of ``__main__`` (a
-    notebook's cells, a script read from stdin, ``python -c``), lambdas and local functions travel
-    by value, as Ray, Dask and joblib send them; with multiprocessing's reducers, so that tensors in
-    shared memory travel as handles, never as copies."""
+def _code_reduce(code: types.CodeType):
+    """A code object whole, its file name and line table included: cloudpickle names every file
+    ``<dynamic-code>`` (for payloads that pickle the same wherever they were made), and a worker's
+    traceback through the user's own code would then name no file and show no line."""
+    return marshal.loads, (marshal.dumps(code),)  # the launcher and its workers run one interpreter
 
-    dispatch_table = collections.ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+
+class WorkerPickler(cloudpickle.Pickler):
+    """How a launch and its workers talk, both ways: cloudpickle, so that classes and functions of
+    ``__main__`` (a notebook's cells, a script read from stdin, ``python -c``), lambdas and local
+    functions travel by value, as Ray, Dask and joblib send them, and come back as the very classes
+    they left as (a result holding a script's own optimizer); with multiprocessing's reducers, so
+    that tensors in shared memory travel as handles, never as copies."""
+
+    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, ForkingPickler._extra_reducers,
+                                          cloudpickle.Pickler.dispatch_table)
 
 
 def dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
     WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buffer.getvalue()
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(dumps(obj))
 
 
 def pack(obj: Any) -> bytes:
@@ -105,14 +120,16 @@ class Heartbeats:
         finally:
             row[1], row[2] = stage, time.monotonic()
 
-    def stalled(self, timeout_s: float) -> list[tuple[int, str]]:
+    def stalled(self, timeout_s: float, busy_until: float = 0.0) -> list[tuple[int, str]]:
         """Workers without progress for ``timeout_s`` that are not waiting for a peer. While only
         waiting ones are, nobody yet: the peer they wait for went quiet later, and its turn comes;
-        when every worker is stuck waiting, all of them."""
+        when every worker is stuck waiting, all of them. Time before ``busy_until`` (when the
+        launcher last came back from the run's callbacks, which the workers may wait for) counts
+        against no worker."""
         now = time.monotonic()
         rows = self._rows.tolist()
-        stuck = [(rank, int(step), STAGES[int(stage)], now - since)
-                 for rank, (step, stage, since) in enumerate(rows) if now - since > timeout_s]
+        stuck = [(rank, int(step), STAGES[int(stage)], now - max(since, busy_until))
+                 for rank, (step, stage, since) in enumerate(rows) if now - max(since, busy_until) > timeout_s]
         causes = [s for s in stuck if s[2] not in WAITING]
         if not causes and len(stuck) == len(rows):
             causes = stuck
@@ -214,11 +231,11 @@ def _bootstrap(conn: Connection, launcher_pid: int) -> None:
         _adopt_environment(environment)
         if stop is not None:
             stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
-        result = target(payload, lambda message: conn.send(("message", message)))
-        conn.send(("done", result))
+        result = target(payload, lambda message: _send(conn, ("message", message)))
+        _send(conn, ("done", result))
     except BaseException:  # noqa: BLE001 - anything a worker raises is reported, then it exits
         try:
-            conn.send(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
         finally:
             os._exit(1)
     finally:
@@ -308,7 +325,7 @@ class _Inbox:
     def _read(self, rank: int, conn: Connection) -> None:
         try:
             while True:
-                self._queue.put((rank, *conn.recv()))
+                self._queue.put((rank, *pickle.loads(conn.recv_bytes())))
                 os.write(self._wake, b".")
         except (EOFError, OSError):  # the worker has ended (or its pipe was closed at teardown)
             pass
@@ -338,10 +355,14 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
     failures: list[tuple[int, str]] = []
     running = set(range(len(procs)))
 
+    busy_until = 0.0  # when the launcher last came back from on_message (the run's callbacks)
+
     def deliver() -> None:
+        nonlocal busy_until
         for rank, kind, body in inbox.take():
             if kind == "message" and on_message is not None:
                 on_message(rank, body)
+                busy_until = time.monotonic()
             elif kind == "done":
                 results[rank] = body
             elif kind == "error":
@@ -362,7 +383,7 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
             if watchdog.on_tick is not None:
                 watchdog.on_tick([procs[r].pid for r in running])
             if watchdog.heartbeats is not None and watchdog.timeout_s is not None:
-                failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s))
+                failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s, busy_until))
     if failures:
         rank, detail = failures[0]
         raise WorkerFailed(rank, detail, failures[1:], where=where)
