@@ -4,9 +4,10 @@ A callback overrides the methods it cares about. Each runs in the process that c
 never in a worker, so it may keep state, write files and read the trainer. Two requests go back
 to the workers: ``trainer.should_stop = True`` ends the run after the current step (with a
 checkpoint, when the run keeps them), and fit returns normally; ``trainer.should_checkpoint =
-True``, set in ``on_eval_end``, checkpoints the step just evaluated. Both take effect right
-after an evaluation (the workers wait for the launcher there); a stop asked in ``on_step_end``
-takes effect at the next step the workers finish.
+True``, set in ``on_eval_end``, checkpoints the step just evaluated. Both apply to the step the
+callback was told of: the workers wait for the launcher after each evaluation, and after each
+progress record where a callback may act on one. A callback that raises once training has
+started is reported and training goes on: callbacks are side effects.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class Callback:
     """
 
     observes_only = False
+    # Whether the run ends when this callback raises (the run's own checkpoint writer): a side
+    # effect's failure (a logger, a tracker, the user's) is reported and training goes on.
+    essential = False
 
     def on_fit_start(self, trainer, plan) -> None:
         """Before the workers start; ``plan`` is what the run was resolved to (``engine.plan.Plan``)."""
@@ -74,6 +78,7 @@ class Callbacks:
 
     def __init__(self, callbacks: Iterable[Callback]):
         self.callbacks = list(callbacks)
+        self._failed: set[tuple[int, str]] = set()
         for callback in self.callbacks:
             if not isinstance(callback, Callback):
                 raise ConfigError(f"callbacks must be sn_trainer.Callback objects, got {type(callback).__name__}; "
@@ -81,11 +86,27 @@ class Callbacks:
 
     def call(self, hook: str, *args: Any) -> None:
         """Every callback's method ``hook``, in order; a callback without one is passed over (an event
-        a newer engine sends reaches only the callbacks that know it)."""
+        a newer engine sends reaches only the callbacks that know it). Once training has started (any
+        hook but ``on_fit_start``, which checks a run's set-up), a callback that is not ``essential``
+        and raises is reported, with its traceback the first time, and the others and training go on."""
         for callback in self.callbacks:
             method = getattr(callback, hook, None)
-            if method is not None:
+            if method is None:
+                continue
+            if callback.essential or hook == "on_fit_start":
                 method(*args)
+                continue
+            try:
+                method(*args)
+            except Exception:  # noqa: BLE001 - a side effect never takes training down
+                self._report_failure(callback, hook)
+
+    def _report_failure(self, callback: Callback, hook: str) -> None:
+        key = (id(callback), hook)
+        if key not in self._failed:
+            self._failed.add(key)
+            log.error("callback %s failed in %s; training goes on (its later failures there are not shown)",
+                      type(callback).__qualname__, hook, exc_info=True)
 
     def event(self, trainer, event: Any) -> None:
         """Hand a worker's event to the hook it names (``event.hook``)."""

@@ -305,3 +305,101 @@ def test_a_signal_stops_at_the_step_it_came_on_keeping_its_evaluation_and_the_re
     assert [r["step"] for r in straight.history if "eval_loss" in r] == [5, 10, 15] == before.steps + after.steps
     assert resumed.eval_loss == pytest.approx(straight.eval_loss, rel=1e-10)
     assert_exact(resumed_model, straight_model)  # the plateau scheduler stepped on the same losses
+
+
+class Slow(Callback):
+    """Takes ``seconds`` over the record of step ``step`` (a callback writing a large file, say)."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_step_end(self, trainer, record):
+        if record.step == self.step:
+            import time
+
+            time.sleep(self.seconds)  # the fault itself: a callback slower than worker_timeout
+
+
+@pytest.mark.parametrize("awaited", [True, False])
+def test_time_spent_in_a_slow_callback_is_no_workers_hang(awaited):
+    """Awaited (a callback that may act on records): the workers wait for it; not awaited (one
+    that only observes): the launcher reads their messages late. Neither is a worker's hang."""
+    torch.manual_seed(0)
+    slow = Slow(2, 3.0)
+    slow.observes_only = not awaited
+    result = Trainer(workers=2, batch_size=8, max_steps=6, log_every=1, worker_timeout=1.0).fit(
+        SmallConvNet(), tiny_dataset(), optimizer=SGD, callbacks=[slow])
+    assert result.steps == 6
+
+
+class Raises(Callback):
+    def on_step_end(self, trainer, record):
+        raise KeyError("a callback's own bug")
+
+    def on_eval_end(self, trainer, evaluation):
+        raise ValueError("and another")
+
+
+def test_a_callback_that_raises_is_reported_once_per_hook_and_training_goes_on(tmp_path, caplog):
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = SmallConvNet()
+        result = Trainer(workers=2, batch_size=8, max_steps=6, log_every=1, eval_every=2, seed=1,
+                         checkpoint_dir=str(tmp_path / str(len(callbacks))), checkpoint_every_steps=3).fit(
+            model, tiny_dataset(), eval_set=tiny_dataset(16, seed=2), optimizer=SGD, callbacks=callbacks)
+        return model, result
+
+    reference, _ = run([])
+    with caplog.at_level(logging.ERROR, logger="sn_trainer.callbacks"):
+        model, result = run([Raises()])
+    assert result.steps == 6 and Path(result.last_checkpoint).name == "step-000000006.pt"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    failures = [r for r in caplog.records if "callback Raises failed" in r.getMessage()]
+    assert sorted(r.getMessage().split()[4] for r in failures) == ["on_eval_end;", "on_step_end;"]
+    assert all(r.exc_info is not None for r in failures)
+
+
+class Snapshots(Callback):
+    """What a callback reads of the model it trains, at each record and evaluation: the weights,
+    and an EMA of them stepped in on_step_end as torch.optim.swa_utils users write one."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, {}
+        self.ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+
+    def on_step_end(self, trainer, record):
+        import time
+
+        time.sleep(0.05)  # a launcher busy elsewhere first: live weights would be a later step's by now
+        self.ema.update_parameters(self.model)
+        self.seen[("step", record.step)] = [p.detach().clone() for p in self.model.parameters()]
+
+    def on_eval_end(self, trainer, evaluation):
+        self.seen[("eval", evaluation.step)] = [p.detach().clone() for p in self.model.parameters()]
+
+
+def test_a_callback_reads_the_weights_of_the_step_it_is_told_of():
+    from helpers import cross_entropy, plain_batches
+
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    data = tiny_dataset(64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    expected_ema = torch.optim.swa_utils.AveragedModel(reference,
+                                                       multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+    opt, expected = SGD(reference.parameters()), {}
+    for step, batch in zip(range(1, 9), plain_batches(data, 8, 3, True)):
+        opt.zero_grad()
+        cross_entropy(reference, batch).backward()
+        opt.step()
+        expected_ema.update_parameters(reference)
+        expected[step] = [p.detach().clone() for p in reference.parameters()]
+    seen = Snapshots(model)
+    Trainer(workers=2, batch_size=8, max_steps=8, log_every=1, eval_every=4, seed=3).fit(
+        model, data, eval_set=tiny_dataset(16, seed=2, dtype=torch.float64), optimizer=SGD, callbacks=[seen])
+    assert sorted(seen.seen) == sorted([("step", s) for s in range(1, 9)] + [("eval", 4), ("eval", 8)])
+    for (_, step), weights in seen.seen.items():
+        for got, want in zip(weights, expected[step]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for got, want in zip(seen.ema.parameters(), expected_ema.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

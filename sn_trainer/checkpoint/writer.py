@@ -25,6 +25,8 @@ class CheckpointWriter(Callback):
     ``run_config`` the plain data kept in the file beside it (the command line's config).
     """
 
+    essential = True  # a checkpoint that cannot be written ends the run: it is what a resume needs
+
     def __init__(self, directory: files.CheckpointDir | None, layout: FlatLayout, phases: list[PhaseSpec],
                  sample_order: dict[str, Any], run_config: dict[str, Any] | None, callbacks: Callbacks):
         self.directory, self.layout, self.phases = directory, layout, phases

@@ -53,6 +53,8 @@ class StopRequests(Callback):
     (``trainer.should_stop``), a checkpoint of the step just evaluated (``trainer.should_checkpoint``).
     The last of a run's callbacks: it reads what the others decided about each event."""
 
+    essential = True  # the workers wait for its acknowledgements
+
     def __init__(self, stop: StopFlags):
         self.stop = stop
 
