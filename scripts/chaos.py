@@ -4,11 +4,14 @@ Each job trains LeNet on synthetic data with 2 workers, checkpointing every few 
 restarts and a worker timeout, as an operator would run it. At a random step one fault strikes:
 a worker SIGKILLed or SIGSTOPped, SIGTERM to the whole process group, SIGINT to the launcher,
 the newest checkpoint truncated, the checkpoint directory full (a small tmpfs), a worker that
-raises. Whether it really struck is read from what the job said (its exit codes and log), not
-assumed. The job is resumed (``resume=latest``) until it finishes; then its final parameters are
-compared with an uninterrupted run's (bit-identical: the worker count is the same), and the
-script counts what the job left behind: processes, /dev/shm entries, temporary directories and
-half-written checkpoint files.
+raises, a second run started in the same folder, an evaluation that fails. Every job evaluates
+every few steps and keeps stateful callbacks (BestCheckpoint, and one that keeps the steps it was
+told of): a restart or a resume must go on from their checkpointed state. Whether a fault really
+struck is read from what the job said (its exit codes and log), not assumed. The job is resumed
+(``resume=latest``) until it finishes; then its final parameters are compared with an
+uninterrupted run's (bit-identical: the worker count is the same), and so are the evaluations its
+callbacks were told of and the step best.pt holds; the script counts what the job left behind:
+processes, /dev/shm entries, temporary directories and half-written checkpoint files.
 
     python scripts/chaos.py --faults 50 [--seed 0] [--out results/chaos]
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import os
 import random
 import signal
@@ -35,8 +39,10 @@ if __name__ == "__main__" and "--job" in sys.argv:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from sn_trainer import Callback  # noqa: E402
+
 FAULTS = ("kill_worker", "stop_worker", "term_group", "int_launcher", "truncate_checkpoint", "full_disk",
-          "worker_raises")
+          "worker_raises", "second_run", "eval_fails")
 STEPS, EVERY, TIMEOUT_S = 40, 5, 6
 HERE = Path(__file__).resolve()
 
@@ -47,29 +53,71 @@ def job(work: Path, trigger: Path) -> int:
     """Train (or go on training) in ``work``; exit codes as the command line's."""
     from torch.utils.data import TensorDataset
 
-    from sn_trainer import Trainer, TrainingInterrupted, WorkerFailed
+    from sn_trainer import BestCheckpoint, CheckpointError, Trainer, TrainingInterrupted, WorkerFailed
     from sn_trainer.models import build_model
 
     torch.manual_seed(0)
     model = Faulty(build_model("lenet", (1, 28, 28), 10), str(trigger))
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(2048, 1, 28, 28, generator=g), torch.randint(0, 10, (2048,), generator=g))
+    test = FailingOnce(TensorDataset(torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g)),
+                       str(trigger) + ".eval")
     ckpt = work / "ckpt"
     progress = (work / "progress").open("a")
-    trainer = Trainer(workers=2, batch_size=64, max_steps=STEPS, seed=0, comm="shm", log_every=1,
+    trainer = Trainer(workers=2, batch_size=64, max_steps=STEPS, seed=0, comm="shm", log_every=1, eval_every=EVERY,
                       checkpoint_dir=str(ckpt), checkpoint_every_steps=EVERY, checkpoint_keep=3, max_restarts=2,
                       worker_timeout=TIMEOUT_S, resume="latest" if any(ckpt.glob("step-*.pt")) else None)
+    told, best = Told(), BestCheckpoint("eval_loss")
     try:
-        trainer.fit(model, data, optimizer=functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9),
-                    on_log=lambda r: (progress.write(f"{r['step']}\n"), progress.flush()))
+        trainer.fit(model, data, eval_set=test, optimizer=functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9),
+                    callbacks=[told, best], on_log=lambda r: (progress.write(f"{r['step']}\n"), progress.flush()))
     except TrainingInterrupted as exc:
         print(f"interrupted: {exc}", file=sys.stderr)
         return 128 + exc.signum
     except (WorkerFailed, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except CheckpointError as exc:  # refused before training: nothing of the folder's is touched
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     torch.save({k.removeprefix("inner."): v for k, v in model.state_dict().items()}, work / "final.pt")
+    best_step = torch.load(ckpt / "best.pt", weights_only=True)["step"] if (ckpt / "best.pt").exists() else None
+    (work / "outcome.json").write_text(json.dumps({"evaluations": told.steps, "best_step": best_step}))
     return 0
+
+
+class Told(Callback):
+    """A stateful callback: the evaluations it was told of. Kept in every checkpoint, so that a run
+    resumed or restarted is told of each evaluation once, as the uninterrupted run is."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_eval_end(self, trainer, evaluation):
+        self.steps.append(evaluation.step)
+
+    def state_dict(self):
+        return {"steps": list(self.steps)}
+
+    def load_state_dict(self, state):
+        self.steps = list(state["steps"])
+
+
+class FailingOnce(torch.utils.data.Dataset):
+    """An evaluation set one of whose samples fails to load once, after ``trigger`` appears."""
+
+    def __init__(self, inner, trigger: str):
+        self.inner, self.trigger = inner, trigger
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        try:
+            os.rename(self.trigger, self.trigger + ".fired")  # exactly one worker wins, once
+        except OSError:
+            return self.inner[index]
+        raise RuntimeError("chaos: an evaluation fails")
 
 
 class Faulty(nn.Module):
@@ -134,7 +182,8 @@ def marked(marker: str) -> list:
     return found
 
 
-def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, rng: random.Random) -> None:
+def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, marker: str, rng: random.Random) -> int | None:
+    """Strike; a second run's exit code (the others: None)."""
     if kind in ("kill_worker", "stop_worker"):
         wait_for(lambda: len(workers_of(proc)) == 2, 60, "two workers")
         rng.choice(workers_of(proc)).send_signal(signal.SIGKILL if kind == "kill_worker" else signal.SIGSTOP)
@@ -144,6 +193,10 @@ def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, rng: ra
         proc.send_signal(signal.SIGINT)
     elif kind == "worker_raises":
         trigger.write_text("")
+    elif kind == "eval_fails":
+        Path(str(trigger) + ".eval").write_text("")
+    elif kind == "second_run":  # another operator starts the same job in the same folder
+        return start(work, trigger, marker).wait(timeout=240)  # its processes are this job's to account for
     elif kind == "full_disk":
         fd = os.open(work / "ckpt" / "filler", os.O_WRONLY | os.O_CREAT)
         try:
@@ -153,6 +206,7 @@ def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, rng: ra
             pass
         finally:
             os.close(fd)
+    return None
 
 
 def damage_newest(work: Path) -> None:
@@ -171,7 +225,8 @@ def snapshot() -> dict:
 # its processes never met, did not fire.
 EVIDENCE = {"kill_worker": "killed by SIGKILL", "stop_worker": "made no progress for",
             "worker_raises": "chaos: a worker raises", "truncate_checkpoint": "passing over a damaged checkpoint",
-            "full_disk": "cannot write the checkpoint"}
+            "full_disk": "cannot write the checkpoint", "second_run": "is being written by another run",
+            "eval_fails": "passes over the evaluation after step"}
 
 
 def fired(kind: str, row: dict, work: Path) -> bool:
@@ -183,7 +238,7 @@ def fired(kind: str, row: dict, work: Path) -> bool:
     return EVIDENCE[kind] in (work / "stderr").read_text()
 
 
-def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: dict) -> dict:
+def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: dict, outcome: dict) -> dict:
     work = base / f"{index:03d}-{kind}"
     (work / "ckpt").mkdir(parents=True)
     mounted = False
@@ -192,11 +247,16 @@ def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: 
         mounted = True
     trigger, marker, before = work / "trigger", uuid.uuid4().hex, snapshot()
     at = rng.randrange(EVERY + 1, STEPS - EVERY)
+    if kind == "eval_fails":  # the evaluation that fails is the next one: never the best, or best.pt would differ
+        while (at // EVERY + 1) * EVERY == outcome["best_step"]:
+            at = rng.randrange(EVERY + 1, STEPS - EVERY)
     row = {"fault": kind, "at_step": at, "attempts": 0, "exit_codes": []}
     try:
         proc = start(work, trigger, marker)
         wait_for(lambda: reached(work) >= at or proc.poll() is not None, 180, f"step {at}")
-        inject(kind, proc, work, trigger, rng)
+        second = inject(kind, proc, work, trigger, marker, rng)
+        if second is not None:
+            row["second_run_exit"] = second
         for attempt in range(6):
             code = proc.wait(timeout=240)
             row["attempts"] += 1
@@ -213,8 +273,10 @@ def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: 
         if row["finished"]:
             final = torch.load(work / "final.pt", weights_only=True)
             row["equal"] = all(torch.equal(final[k], reference[k]) for k in reference)
+            row["outcome"] = json.loads((work / "outcome.json").read_text())
+            row["same_outcome"] = row["outcome"] == outcome
         else:
-            row["equal"] = False
+            row["equal"] = row["same_outcome"] = False
         wait_for(lambda: not marked(marker), 15, "the job's processes to end")
     finally:
         if mounted:
@@ -257,13 +319,15 @@ def main() -> None:
         if code != 0:
             raise SystemExit(f"the uninterrupted run failed ({code}): {(reference_dir / 'stderr').read_text()}")
         reference = torch.load(reference_dir / "final.pt", weights_only=True)
+        outcome = json.loads((reference_dir / "outcome.json").read_text())
         print(f"uninterrupted run: {time.monotonic() - started:.0f} s", flush=True)
         for index in range(args.faults):
             kind = rng.choice(kinds)
-            row = run_fault(kind, index, rng, base, reference)
+            row = run_fault(kind, index, rng, base, reference, outcome)
             rows.append(row)
             print(f"{index + 1:3d} {kind:20s} at step {row['at_step']:2d}: fired {row['fired']}, exits "
-                  f"{row['exit_codes']}, finished {row['finished']}, equal {row['equal']}, left {row['left']}",
+                  f"{row['exit_codes']}, finished {row['finished']}, equal {row['equal']}, same evaluations and best "
+                  f"{row['same_outcome']}, left {row['left']}",
                   flush=True)
     table = summarise(rows)
     if not args.out:
@@ -276,17 +340,21 @@ def main() -> None:
             f"# Chaos: {len(rows)} jobs, one random fault each\n\nMachine: {machine['cpu_model']}, "
             f"{machine['physical_cores']} physical cores, torch {machine['torch']}. `python scripts/chaos.py "
             f"--faults {args.faults}` (seed {args.seed}): LeNet, 2 workers, {STEPS} steps, a checkpoint every "
-            f"{EVERY}, max_restarts=2, worker_timeout={TIMEOUT_S}; each job resumed with resume=latest until it "
-            "finished, then compared with an uninterrupted run (torch.equal on every tensor).\n\n" + table))
+            f"{EVERY}, an evaluation every {EVERY} with BestCheckpoint and a stateful callback, max_restarts=2, "
+            f"worker_timeout={TIMEOUT_S}; each job resumed with resume=latest until it finished, then compared with "
+            "an uninterrupted run (torch.equal on every tensor; the evaluations its callbacks were told of and "
+            "best.pt's step). A second run in the same folder is refused (exit 2) while the first goes on; the "
+            "evaluation that fails is never the uninterrupted run's best.\n\n" + table))
 
 
 def summarise(rows: list[dict]) -> str:
     by = collections.defaultdict(list)
     for r in rows:
         by[r["fault"]].append(r)
-    lines = ["| fault | injected | fired | jobs finished | equal to the uninterrupted run | attempts (mean) "
-             "| exit codes seen | processes, /dev/shm, temp dirs, partial checkpoints left |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| fault | injected | fired | jobs finished | weights equal to the uninterrupted run "
+             "| evaluations told and best.pt as uninterrupted | attempts (mean) | exit codes seen "
+             "| processes, /dev/shm, temp dirs, partial checkpoints left |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for kind in FAULTS:
         group = by.get(kind, [])
         if not group:
@@ -294,11 +362,12 @@ def summarise(rows: list[dict]) -> str:
         codes = sorted({c for r in group for c in r["exit_codes"]})
         left = [sum(r["left"][k] for r in group) for k in ("processes", "shm", "tmp", "partial_checkpoints")]
         lines.append(f"| {kind} | {len(group)} | {sum(r['fired'] for r in group)} | {sum(r['finished'] for r in group)} "
-                     f"| {sum(r['equal'] for r in group)} | {sum(r['attempts'] for r in group) / len(group):.1f} "
+                     f"| {sum(r['equal'] for r in group)} | {sum(r['same_outcome'] for r in group)} "
+                     f"| {sum(r['attempts'] for r in group) / len(group):.1f} "
                      f"| {', '.join(map(str, codes))} | {', '.join(map(str, left))} |")
     total_left = sum(v for r in rows for v in r["left"].values())
     lines.append(f"| **all** | {len(rows)} | {sum(r['fired'] for r in rows)} | {sum(r['finished'] for r in rows)} "
-                 f"| {sum(r['equal'] for r in rows)} | | | {total_left} in all |")
+                 f"| {sum(r['equal'] for r in rows)} | {sum(r['same_outcome'] for r in rows)} | | | {total_left} in all |")
     return "\n".join(lines)
 
 
