@@ -4,7 +4,8 @@ Each job trains LeNet on synthetic data with 2 workers, checkpointing every few 
 restarts and a worker timeout, as an operator would run it. At a random step one fault strikes:
 a worker SIGKILLed or SIGSTOPped, SIGTERM to the whole process group, SIGINT to the launcher,
 the newest checkpoint truncated, the checkpoint directory full (a small tmpfs), a worker that
-raises, a second run started in the same folder, an evaluation that fails. Every job evaluates
+raises, a second run started in the same folder, an evaluation that fails, an MLflow tracking
+server that goes away (scripts/tracking_stub.py, a stand-in that drops every call). Every job evaluates
 every few steps and keeps stateful callbacks (BestCheckpoint, and one that keeps the steps it was
 told of): a restart or a resume must go on from their checkpointed state. Whether a fault really
 struck is read from what the job said (its exit codes and log), not assumed. The job is resumed
@@ -41,8 +42,11 @@ from torch import nn  # noqa: E402
 
 from sn_trainer import Callback  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tracking_stub import TrackingStub  # noqa: E402
+
 FAULTS = ("kill_worker", "stop_worker", "term_group", "int_launcher", "truncate_checkpoint", "full_disk",
-          "worker_raises", "second_run", "eval_fails")
+          "worker_raises", "second_run", "eval_fails", "tracker_gone")
 STEPS, EVERY, TIMEOUT_S = 40, 5, 6
 HERE = Path(__file__).resolve()
 
@@ -68,9 +72,14 @@ def job(work: Path, trigger: Path) -> int:
                       checkpoint_dir=str(ckpt), checkpoint_every_steps=EVERY, checkpoint_keep=3, max_restarts=2,
                       worker_timeout=TIMEOUT_S, resume="latest" if any(ckpt.glob("step-*.pt")) else None)
     told, best = Told(), BestCheckpoint("eval_loss")
+    callbacks = [told, best, Hold(str(trigger) + ".hold")]
+    if os.environ.get("CHAOS_TRACKING"):
+        from sn_trainer.report.mlflow_log import MLflowLog
+
+        callbacks.append(MLflowLog(os.environ["CHAOS_TRACKING"], "chaos", work.name, {"steps": STEPS}))
     try:
         trainer.fit(model, data, eval_set=test, optimizer=functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9),
-                    callbacks=[told, best], on_log=lambda r: (progress.write(f"{r['step']}\n"), progress.flush()))
+                    callbacks=callbacks, on_log=lambda r: (progress.write(f"{r['step']}\n"), progress.flush()))
     except TrainingInterrupted as exc:
         print(f"interrupted: {exc}", file=sys.stderr)
         return 128 + exc.signum
@@ -101,6 +110,18 @@ class Told(Callback):
 
     def load_state_dict(self, state):
         self.steps = list(state["steps"])
+
+
+class Hold(Callback):
+    """Holds the run at a step while ``path`` exists: a first run still training when a second one
+    is started beside it (a whole job here takes about as long as a run's start)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_step_end(self, trainer, record):
+        while os.path.exists(self.path):
+            time.sleep(0.05)  # a file of another program: nothing to wait on instead
 
 
 class FailingOnce(torch.utils.data.Dataset):
@@ -137,9 +158,9 @@ class Faulty(nn.Module):
 
 # --- the orchestra ---------------------------------------------------------------------------------
 
-def start(work: Path, trigger: Path, marker: str) -> subprocess.Popen:
-    """The job in a process group of its own, as a scheduler starts one."""
-    env = {**os.environ, "CHAOS_MARKER": marker}
+def start(work: Path, trigger: Path, marker: str, tracking: str | None = None) -> subprocess.Popen:
+    """The job in a process group of its own, as a scheduler starts one; tracked at ``tracking``."""
+    env = {**os.environ, "CHAOS_MARKER": marker, **({"CHAOS_TRACKING": tracking} if tracking else {})}
     with (work / "stderr").open("a") as stderr:
         return subprocess.Popen([sys.executable, str(HERE), "--job", str(work), "--trigger", str(trigger)],
                                 stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True)
@@ -182,9 +203,12 @@ def marked(marker: str) -> list:
     return found
 
 
-def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, marker: str, rng: random.Random) -> int | None:
+def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, marker: str, rng: random.Random,
+           tracker) -> int | None:
     """Strike; a second run's exit code (the others: None)."""
-    if kind in ("kill_worker", "stop_worker"):
+    if kind == "tracker_gone":
+        tracker.go_away()
+    elif kind in ("kill_worker", "stop_worker"):
         wait_for(lambda: len(workers_of(proc)) == 2, 60, "two workers")
         rng.choice(workers_of(proc)).send_signal(signal.SIGKILL if kind == "kill_worker" else signal.SIGSTOP)
     elif kind in ("term_group", "truncate_checkpoint"):
@@ -196,7 +220,12 @@ def inject(kind: str, proc: subprocess.Popen, work: Path, trigger: Path, marker:
     elif kind == "eval_fails":
         Path(str(trigger) + ".eval").write_text("")
     elif kind == "second_run":  # another operator starts the same job in the same folder
-        return start(work, trigger, marker).wait(timeout=240)  # its processes are this job's to account for
+        hold = Path(str(trigger) + ".hold")
+        hold.write_text("")  # the first run waits at its next step until the second has ended
+        try:
+            return start(work, trigger, marker).wait(timeout=240)  # its processes are this job's to account for
+        finally:
+            hold.unlink()
     elif kind == "full_disk":
         fd = os.open(work / "ckpt" / "filler", os.O_WRONLY | os.O_CREAT)
         try:
@@ -226,7 +255,7 @@ def snapshot() -> dict:
 EVIDENCE = {"kill_worker": "killed by SIGKILL", "stop_worker": "made no progress for",
             "worker_raises": "chaos: a worker raises", "truncate_checkpoint": "passing over a damaged checkpoint",
             "full_disk": "cannot write the checkpoint", "second_run": "is being written by another run",
-            "eval_fails": "passes over the evaluation after step"}
+            "eval_fails": "passes over the evaluation after step", "tracker_gone": "the run goes on untracked"}
 
 
 def fired(kind: str, row: dict, work: Path) -> bool:
@@ -235,6 +264,8 @@ def fired(kind: str, row: dict, work: Path) -> bool:
         return 128 + signal.SIGTERM in row["exit_codes"]
     if kind == "int_launcher":
         return 128 + signal.SIGINT in row["exit_codes"]
+    if kind == "second_run":  # refused, exit 2, while the first went on
+        return row.get("second_run_exit") == 2 and EVIDENCE[kind] in (work / "stderr").read_text()
     return EVIDENCE[kind] in (work / "stderr").read_text()
 
 
@@ -246,15 +277,16 @@ def run_fault(kind: str, index: int, rng: random.Random, base: Path, reference: 
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(work / "ckpt")], check=True)
         mounted = True
     trigger, marker, before = work / "trigger", uuid.uuid4().hex, snapshot()
+    tracker = TrackingStub().start() if kind == "tracker_gone" else None
     at = rng.randrange(EVERY + 1, STEPS - EVERY)
     if kind == "eval_fails":  # the evaluation that fails is the next one: never the best, or best.pt would differ
         while (at // EVERY + 1) * EVERY == outcome["best_step"]:
             at = rng.randrange(EVERY + 1, STEPS - EVERY)
     row = {"fault": kind, "at_step": at, "attempts": 0, "exit_codes": []}
     try:
-        proc = start(work, trigger, marker)
+        proc = start(work, trigger, marker, tracker.uri if tracker else None)
         wait_for(lambda: reached(work) >= at or proc.poll() is not None, 180, f"step {at}")
-        second = inject(kind, proc, work, trigger, marker, rng)
+        second = inject(kind, proc, work, trigger, marker, rng, tracker)
         if second is not None:
             row["second_run_exit"] = second
         for attempt in range(6):

@@ -84,6 +84,14 @@ def _bounded_http():
             os.environ.pop(name, None)
 
 
+def _shown(uri: str) -> str:
+    """``uri`` as a log may show it: without the password of ``user:password@host``."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+
+
 def _one_line(exc: BaseException, half: int = 300) -> str:
     """An error as one line; a long one keeps its first and last ``half`` characters: what failed,
     and the cause MLflow's HTTP errors end with (SQL errors carry whole statements between)."""
@@ -105,7 +113,7 @@ class MLflowLog(Records):
         problem = unreachable(uri)
         if problem:
             self.tracking = False
-            log.warning("MLflow at %s is not reachable within %d s (%s); the run goes on untracked", uri,
+            log.warning("MLflow at %s is not reachable within %d s (%s); the run goes on untracked", _shown(uri),
                         CONNECT_SECONDS, problem)
             return
         self._store(self._start, experiment, run_name, params, artifacts)
@@ -119,7 +127,7 @@ class MLflowLog(Records):
                 call(*args)
         except Exception as exc:  # HTTP, SQL, a disk: whatever the store fails with, a tracker never stops training
             self.tracking, self._pending = False, []
-            log.warning("MLflow at %s failed: %s; the run goes on untracked", self.uri, _one_line(exc))
+            log.warning("MLflow at %s failed: %s; the run goes on untracked", _shown(self.uri), _one_line(exc))
 
     def _start(self, experiment: str, run_name: str, params: dict[str, Any], artifacts: str | Path | None) -> None:
         from mlflow import MlflowClient  # here: its import costs a second or two
