@@ -16,6 +16,7 @@ import marshal
 import os
 import pickle
 import queue
+import resource
 import select
 import signal
 import threading
@@ -199,12 +200,32 @@ def _die_with_launcher(launcher_pid: int) -> None:
         threading.Thread(target=_exit_with, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
 
 
+def _allow_open_files() -> None:
+    """Raise this process's soft limit of open files to its hard one (the workers inherit it):
+    every tensor shared with the workers holds a descriptor, and a model of a thousand tensors
+    (resnet152) passes the soft limit of 1,024 many systems set."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # an infinite hard limit some kernels refuse as a soft one
+            pass
+
+
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """Whether ``fd`` is readable within ``timeout_s`` (None: wait as long as it takes). poll, not
+    select: a process holding a shared tensor's descriptor each has numbers past select's 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
+
+
 def _exit_with(pid: int) -> None:
     """Block until process ``pid`` ends, then end this process at once."""
     try:
         handle = os.pidfd_open(pid)  # readable when the process has ended (Linux 5.3+)
         if psutil.pid_exists(pid):
-            select.select([handle], [], [])
+            _readable(handle, None)
     except (AttributeError, OSError):
         while psutil.pid_exists(pid):
             time.sleep(0.5)
@@ -224,6 +245,7 @@ def _adopt_environment(environment: dict[str, str]) -> None:
 
 def _bootstrap(conn: Connection, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
+    _allow_open_files()  # a warm worker's fork server began before the launcher raised its limit
     try:
         # The payload comes through the pipe, not as the process's arguments: its shared tensors are
         # then handed over one descriptor at a time, however many a model has.
@@ -276,6 +298,7 @@ def launch(
         # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
         os._exit(EXIT_TRAINS_AT_IMPORT)
     runtime = runtime or default_runtime()
+    _allow_open_files()
     ctx = _context(start_method, runtime)
     procs, conns, inbox = [], [], None
     try:
@@ -332,7 +355,7 @@ class _Inbox:
 
     def take(self) -> list[tuple[int, str, Any]]:
         """The messages read so far: (rank, kind, body)."""
-        if select.select([self.wakeup], [], [], 0)[0]:
+        if _readable(self.wakeup, 0):
             os.read(self.wakeup, 1 << 16)
         taken = []
         while not self._queue.empty():
