@@ -330,8 +330,16 @@ class BestCheckpoint(Monitor):
             return
         target = Path(path).with_name(self.filename)
         temporary = target.with_name(f".{self.filename}.tmp-{os.getpid()}")
-        shutil.copyfile(path, temporary)  # the pruning of step files never removes it
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, target)
+        temporary.unlink(missing_ok=True)
+        try:
+            try:  # a step file is never written again: best.pt may share it, costing no disk
+                os.link(path, temporary)  # and pruning the step file leaves best.pt whole
+            except OSError:  # a file system without hard links
+                shutil.copyfile(path, temporary)
+                os.chmod(temporary, 0o600)
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)  # a full disk keeps no half-copied best
+            raise
         self.path, self.best_step, self._wanted = target, self._wanted, None
         log.info("best checkpoint (%s %.6g at step %d): %s", self.monitor, self.best, self.best_step, target)
