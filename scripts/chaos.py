@@ -145,13 +145,16 @@ class FailingOnce(torch.utils.data.Dataset):
 
 
 class Faulty(nn.Module):
-    """A model whose worker raises once, in the step after ``trigger`` appears."""
+    """A model whose worker raises once, in the training step after ``trigger`` appears (not in an
+    evaluation: that is the fault eval_fails)."""
 
     def __init__(self, inner: nn.Module, trigger: str):
         super().__init__()
         self.inner, self.trigger = inner, trigger
 
     def forward(self, x):
+        if not self.training:
+            return self.inner(x)
         try:
             os.rename(self.trigger, self.trigger + ".fired")  # exactly one worker wins, once
         except OSError:
