@@ -133,8 +133,10 @@ class RunConfig:
                                                     "per-core CPU and evaluation as TensorBoard events in the output "
                                                     "directory, written by the launcher; `mlflow`: params, the same "
                                                     "metrics and the summary as an MLflow run (MLFLOW_TRACKING_URI, "
-                                                    "else mlflow.db beside the run or sweep); a list such as "
-                                                    "`[tensorboard,mlflow]`; `none`")
+                                                    "else mlflow.db beside the run or sweep), best-effort: a "
+                                                    "server that takes no connection within 5 s, or a store that "
+                                                    "fails later, is said in one warning line and the run trains "
+                                                    "on untracked; a list such as `[tensorboard,mlflow]`; `none`")
 
     SECTIONS = {"model": ModelConfig, "dataset": DatasetConfig, "optim": OptimConfig, "bench": BenchConfig}
 
