@@ -129,8 +129,9 @@ class Heartbeats:
         against no worker."""
         now = time.monotonic()
         rows = self._rows.tolist()
-        stuck = [(rank, int(step), STAGES[int(stage)], now - max(since, busy_until))
-                 for rank, (step, stage, since) in enumerate(rows) if now - max(since, busy_until) > timeout_s]
+        quiet = [(rank, int(step), STAGES[int(stage)], now - max(since, busy_until))
+                 for rank, (step, stage, since) in enumerate(rows)]
+        stuck = [s for s in quiet if s[3] > timeout_s]
         causes = [s for s in stuck if s[2] not in WAITING]
         if not causes and len(stuck) == len(rows):
             causes = stuck

@@ -92,6 +92,7 @@ class Replica:
                                    share["phases"][index] if share else None)
                        for index, phase in enumerate(launch.phases)]
         self.lr_used: float | None = None  # by the last step's update
+        self._awaited_sent = 0  # worker 0: the events it sent in this launch that it waits on the launcher for
         if share is not None and share.get("rng") is not None:
             random_state.restore(share["rng"])  # same workers: same random streams
         self.feed = None
@@ -203,12 +204,17 @@ class Replica:
             if step_done % self.plan.steps_per_epoch == 0:
                 schedule.after_epoch(step_done // self.plan.steps_per_epoch, metrics)
 
-    def agree_on_stop(self, step_done: int) -> None:
-        """After an evaluation: worker 0 decides whether the run stops after this step (a callback
-        may have asked), and every worker reads the same decision."""
+    def agree_on_stop(self, step_done: int) -> bool:
+        """After an event worker 0 sent for the launcher's callbacks to act on (an evaluation, an
+        awaited progress record): worker 0 waits until the launcher has handed it to them and
+        decides whether the run stops after this step (a callback may have asked); every worker
+        reads the same decision, returned."""
         if self.rank == 0:
+            self._awaited_sent += 1
+            self.launch.stop.wait_for_acknowledgement(self._awaited_sent)
             self.launch.stop.decide(step_done)
         self.reducer.barrier()
+        return self.launch.stop.stops_after(step_done)
 
     def losses(self, phase_totals: list[StepTotals]) -> list[float]:
         """Each phase's loss as plain PyTorch reports it: the mean (or, for a sum loss, the sum)."""

@@ -155,7 +155,6 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     meter = Meter(replica, beat)
     profiler = Profiler(plan.settings.profile_dir, meter.measure_from, plan.settings.profile_steps, replica.rank)
     eval_metrics, loss, skipped, stopped_at, diverged_at = {}, float("nan"), 0, None, None
-    awaited_sent = 0  # events worker 0 sent that it waits for the launcher to have seen
     for step in range(plan.start_step, plan.total_steps):
         meter.before(step)
         profiler.before(step)
@@ -179,11 +178,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
                                     awaited))
             if awaited:
                 with meter.timer("wait"):
-                    if reporting:
-                        awaited_sent += 1
-                        launch.stop.wait_for_acknowledgement(awaited_sent)
-                    replica.agree_on_stop(done)
-                stopping = launch.stop.stops_after(done)
+                    stopping = replica.agree_on_stop(done)
         evaluated = None
         # A stop is a state the uninterrupted run passes through too: an evaluation due at its step
         # is made; and where a callback ends the run, the model it returns is evaluated at its end.
@@ -193,11 +188,8 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
             if reporting:
                 beat("sync")
                 send(Evaluation(done, done / plan.steps_per_epoch, eval_metrics))
-                awaited_sent += 1
-                launch.stop.wait_for_acknowledgement(awaited_sent)  # what the callbacks decide applies to this step
-            replica.agree_on_stop(done)
+            stopping = replica.agree_on_stop(done)  # what the callbacks decide applies to this step
             meter.evaluated(time.perf_counter() - started)
-            stopping = launch.stop.stops_after(done)
         replica.scheduled_points(done, evaluated)
         if plan.checkpointing and (stopping or plan.checkpoint_due(done) or launch.stop.saves_at(done)):
             beat("checkpoint")
