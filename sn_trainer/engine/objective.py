@@ -9,7 +9,8 @@ exactly what one process computes for the whole global batch, however it is spli
 A scalar loss hides its denominator. How it splits (its ``form``) is measured before any
 worker starts (``loss_probe``) and is one of: a per-sample mean, a sum over the samples, or a
 Hugging Face model's mean over kept tokens, which the model sums when it is called with
-``num_items_in_batch=1``; anything else is refused where the split would matter.
+``num_items_in_batch=1``, or a loss over the global batch that the step computes from
+``sn_trainer.gather`` (``engine.gather``); anything else is refused where the split would matter.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import gather
 
 Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or dict of them
 
@@ -35,7 +38,9 @@ TOKENS, SHIFTED_TOKENS = "tokens", "shifted_tokens"
 TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS = "tokens_from_logits", "shifted_tokens_from_logits"
 TOKEN_FORMS = (TOKENS, SHIFTED_TOKENS, TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS)
 SHIFTED = (SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS)
-FORMS = (COUNTED, MEAN, SUM, *TOKEN_FORMS)
+# A loss over the global batch, computed alike in every worker from what sn_trainer.gather returns.
+GATHERED = "gathered"
+FORMS = (COUNTED, MEAN, SUM, *TOKEN_FORMS, GATHERED)
 IGNORED_LABEL = -100  # Hugging Face's label for "no target here"
 
 
@@ -131,6 +136,11 @@ class Objective:
 
     def split(self, value: Any, batch: Batch, samples: int) -> tuple[torch.Tensor, float]:
         """A loss value as ``(loss_sum, count)``, by its form."""
+        if self.form == GATHERED:
+            if isinstance(value, (tuple, list)):
+                raise TypeError(f"{self.what} calls sn_trainer.gather and returned a {type(value).__name__}; return "
+                                "the loss over the gathered batch as a scalar (loss_sum / count)")
+            return gather.current().terms(_scalar(value, self.what), samples)
         if isinstance(value, (tuple, list)):
             return terms(value, samples, self.what)
         loss = _scalar(value, self.what)

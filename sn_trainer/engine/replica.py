@@ -23,7 +23,8 @@ from .cluster import Cluster
 from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from .launch import Heartbeats, pack
 from .layout import FlatLayout, tied_aliases
-from .objective import Objective, Precision
+from .gather import Gathering, Refusing, StepGathering, gathering
+from .objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
 from .plan import Plan
 from .shared import ReplicaBuffers
@@ -169,7 +170,7 @@ class Replica:
         for batch, samples in micro_batches:
             if samples == 0:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
-            with timer("forward"):
+            with timer("forward"), gathering(self._gathering(phase.objective)):
                 micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
                                                                       self.dtype)
             with timer("backward"):
@@ -185,6 +186,19 @@ class Replica:
             with timer("update"):
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
         return totals
+
+    def _gathering(self, objective: Objective) -> Gathering:
+        """What sn_trainer.gather does in a micro-batch of ``objective``'s step: exchange the slices
+        where the probe saw the step gather, else refuse (its loss is split as the probe measured it)."""
+        if objective.form == GATHERED:
+            return StepGathering(self.rank, self.plan.workers, self._waiting_in_node)
+        return Refusing(f"{objective.what} called sn_trainer.gather, but not when its loss was probed before the run "
+                        "(on a first batch): call it on every batch")
+
+    def _waiting_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``sum_in_node`` inside a step function (a gather): its wait for the peers is a wait."""
+        with self.launch.heartbeats.waiting(self.rank):
+            return self.reducer.sum_in_node(tensor)
 
     def step_totals(self, round_: int, objective: Objective) -> StepTotals:
         totals = self.launch.board.totals(round_)
@@ -256,6 +270,11 @@ class Replica:
         keys = self.objective.eval_keys
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
         error = None
+        # Workers evaluate different numbers of chunks: nothing may wait for the others (a gather
+        # in evaluation is refused before the run where there are several).
+        alone = Gathering() if self.global_workers == 1 else Refusing(
+            "sn_trainer.gather was called in evaluation, where each worker evaluates its own chunks: with several "
+            "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
         try:
             settings = self.plan.settings
             for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
@@ -263,7 +282,8 @@ class Replica:
                                                                      settings.max_eval_batches):
                 beat("eval")
                 batch = in_layout(batch, settings.channels_last)
-                found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
+                with gathering(alone):
+                    found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
                     sums[2 * k] += value_sum

@@ -12,6 +12,8 @@ batch norm by its running statistics), from the loss and its gradient on a few s
   the workers have the model sum them (``num_items_in_batch=1``, where it takes that), or sum
   its logits' cross-entropy over them (where that is what its loss is), and divide by the
   global count;
+- a step function that calls ``sn_trainer.gather``: a loss over the global batch, which every
+  worker computes alike from the gathered slices (``engine.gather``);
 - anything else (a mean over tokens, masks or class weights, a loss of the batch as a whole, a
   random one) has no exact split: ``form`` is None, and the Trainer refuses it where it splits.
 """
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
-from ..engine.objective import (COUNTED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS, SUM,
+from ..engine.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS, SUM,
                                TOKENS, TOKENS_FROM_LOGITS, Objective, Precision, kept_labels, model_outputs,
                                output_loss, token_cross_entropy)
 
@@ -51,8 +54,10 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
     model.eval()
     params = [p for _, p in trainable_parameters(model)]
     dtype = params[0].dtype if params else torch.float32
-    with torch.no_grad():  # only its kind matters here
+    with torch.no_grad(), gathering(Gathering()) as seen:  # only its kind matters here
         first = objective.loss_value(model, group, FP32, dtype)
+    if seen.calls:
+        return _gathered(first, objective)
     if isinstance(first, (tuple, list)):
         return Finding(COUNTED, "(loss_sum, count) given")  # nothing to measure
     if objective.model_loss and isinstance(group, Mapping) and "labels" in group:
@@ -87,6 +92,14 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
                          f"alone (off by {_off(whole, mean):.2g}, relative) nor their sum (off by "
                          f"{_off(whole, total):.2g}): what it divides by depends on the data (kept tokens, masks, "
                          "class weights), or it is a loss of the batch as a whole")
+
+
+def _gathered(value: Any, objective: Objective) -> Finding:
+    """A step that calls sn_trainer.gather: its scalar is the loss over the global batch."""
+    if isinstance(value, (tuple, list)):
+        return Finding(None, "it calls sn_trainer.gather and returns (loss_sum, count); return the loss over the "
+                             "gathered batch as a scalar (loss_sum / count)")
+    return Finding(GATHERED, f"{objective.what} calls sn_trainer.gather: a loss over the global batch")
 
 
 def _off(found: torch.Tensor, expected: torch.Tensor) -> float:

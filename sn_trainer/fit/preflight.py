@@ -21,6 +21,7 @@ from ..config import TrainerConfig
 from ..data.batching import in_layout
 from ..data.source import Source
 from ..engine import random_state
+from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
 from ..engine.objective import MEAN, Objective, Precision
 from ..engine.phases import PhaseSpec
@@ -49,6 +50,7 @@ class Findings:
     phases: tuple[PhaseFindings, ...]  # each phase's, in order
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how evaluation's loss splits (with no phase to train)
+    eval_gathers: bool = False  # evaluation's step or metric function calls sn_trainer.gather
 
 
 @dataclass
@@ -124,13 +126,15 @@ def rehearse(s: Rehearsal) -> Findings:
     finding = phases[0].loss if phases else _probe(s, s.objective, replica, "")
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
+    eval_gathers = False
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
-        found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
-                         lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
-        eval_keys = tuple(found)
-    return Findings(tuple(phases), eval_keys, finding)
+        with gathering(Gathering()) as seen:
+            found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
+                             lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
+        eval_keys, eval_gathers = tuple(found), seen.calls > 0
+    return Findings(tuple(phases), eval_keys, finding, eval_gathers)
 
 
 def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:

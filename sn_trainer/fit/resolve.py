@@ -24,7 +24,7 @@ from ..engine import random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
 from ..engine.layout import FlatLayout, trainable_parameters
-from ..engine.objective import MEAN, Objective
+from ..engine.objective import GATHERED, MEAN, Objective
 from ..engine.phases import PhaseSpec
 from ..engine.plan import Placement, Plan
 from ..engine.runtime import Runtime
@@ -116,6 +116,7 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     _settle_losses(objective, phases, findings, placement.global_workers * settings.accumulate > 1, evaluation)
     settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     _check_combinations(settings, placement, train.size)
+    _check_gathered(phases, findings, settings, placement, train.size)
     checkpoints, resume_from = locate(settings, cluster)
     if cluster is not None:
         agree_with_other_nodes(cluster, placement.workers)
@@ -146,6 +147,7 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
                                           settings), settings)
     objective.eval_keys = findings.eval_keys
     objective.form = findings.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
+    _check_gathered([], findings, settings, placement, None)
     # What only training uses stays out: no accumulation, no moving average, no batch-norm sums.
     settings = dataclasses.replace(settings, accumulate=1, drop_last=True, shards="elements", prefetch=False,
                                    ema_decay=None, sync_batchnorm=False)
@@ -383,6 +385,33 @@ def _check_combinations(settings: TrainerConfig, placement: Placement, dataset_s
             raise ConfigError(f"sync_batchnorm with drop_last=false: the last micro-batch of an epoch has "
                               f"{rest} samples, fewer than the {workers} workers, and every worker must take "
                               "part in each batch norm; set drop_last=true or change batch_size")
+
+
+def _check_gathered(phases: list[PhaseSpec], findings: preflight.Findings, settings: TrainerConfig,
+                    placement: Placement, dataset_size: int | None) -> None:
+    """Where sn_trainer.gather is called, what keeps it exact: one node, every worker a sample of
+    every micro-batch, and no evaluation split over workers.
+
+    Raises:
+        ConfigError: a gathered loss across nodes, or with a last micro-batch too small for every
+            worker; a gather in evaluation with several workers.
+    """
+    workers = placement.global_workers
+    if findings.eval_gathers and workers > 1:
+        raise ConfigError(f"evaluation calls sn_trainer.gather (in step_fn or metric_fn), and with {workers} workers "
+                          "each evaluates its own chunks of the evaluation set, so a loss over the global batch has "
+                          "no exact evaluation: leave eval_set out, or evaluate with workers=1")
+    if not any(phase.objective.form == GATHERED for phase in phases):
+        return
+    if placement.nodes > 1:
+        raise ConfigError(f"step_fn calls sn_trainer.gather, which gathers the workers of one node, and this run has "
+                          f"{placement.nodes} nodes: train it on one node")
+    if not settings.drop_last and dataset_size is not None:
+        rest = dataset_size % (settings.batch_size * settings.accumulate) % settings.batch_size
+        if 0 < rest < workers:
+            raise ConfigError(f"step_fn calls sn_trainer.gather, and with drop_last=false the last micro-batch of an "
+                              f"epoch has {rest} samples, fewer than the {workers} workers: every worker takes part "
+                              "in each gather with a slice of its own; set drop_last=true or change batch_size")
 
 
 def agree_with_other_nodes(cluster: Cluster, workers: int) -> None:

@@ -25,6 +25,7 @@ from ..engine.comm import REDUCERS, auto_candidates
 from ..engine.events import WorkerResult
 from ..engine.launch import Heartbeats, Watchdog, launch
 from ..engine.memory import PeakMemory
+from ..engine.objective import GATHERED
 from ..engine.plan import Plan
 from ..engine.replica import Launch, WorkerSpec
 from ..engine.shared import SharedParams, buffer_count
@@ -34,6 +35,9 @@ from ..errors import TrainingInterrupted, WorkerFailed
 from .resolve import Run
 
 log = logging.getLogger(__name__)
+# sn_trainer.gather exchanges whole embeddings through the small sums' scratch, in pieces of its
+# width: a wider one takes fewer barriers per gather, at a few kilobytes per worker.
+_GATHER_WIDTH = 4096
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,8 @@ def reducer_kinds(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, tuple[t
     settings = plan.settings
     names = auto_candidates() if settings.comm == "auto" else [settings.comm]
     width = max(2 * max_channels(run.model) + 1 if settings.sync_batchnorm else 0,
-                2 * len(run.objective.eval_keys) + 2)
+                2 * len(run.objective.eval_keys) + 2,
+                _GATHER_WIDTH if any(phase.objective.form == GATHERED for phase in run.phases) else 0)
     return {name: (REDUCERS[name], REDUCERS[name].allocate(plan.workers, run.layout.padded_numel, dtype, width))
             for name in names}
 

@@ -1,0 +1,200 @@
+"""``sn_trainer.gather``: a step function's view of the whole global batch, for losses that couple samples.
+
+A contrastive loss (SimCLR's NT-Xent, CLIP's) compares every sample with every other of the
+batch, so it cannot be split into per-worker sums. Inside a training step, ``gather(z)`` returns
+the global micro-batch's ``z``: every worker's slice, in sample order (worker 0's first), the
+same bits in every worker. Each worker then computes the same loss ``L`` over the global batch.
+
+The gradient is exact by construction. Every worker's backward pass runs through the whole of
+``L``: parameters used after the gather (a projection head on the gathered batch, a learnable
+temperature) get all of ``dL/dθ`` in every worker, while the backward of ``gather`` hands each
+worker ``W`` times the gradient of its own slice only (the workers hold the same ``dL/dz``, so no
+exchange is needed). Every worker counts its micro-batch once, and the step divides the summed
+gradient by the count, ``W`` per micro-batch: the mean over the workers is ``dL/dθ`` exactly.
+That needs the same ``L`` in every worker, which each micro-batch checks.
+
+Where a gather is made decides what it does (``gathering``): in a training step of several
+workers it exchanges; where one process holds the whole batch (one worker, the loss probe, a
+plain loop outside sn_trainer) it returns its argument; where it cannot be exact it refuses.
+The current gathering is ambient, as ``torch.no_grad`` is, because the user's step function
+calls ``gather`` with nothing but the tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..errors import InputError
+
+Sum = Callable[[torch.Tensor], torch.Tensor]  # sums a float64 tensor over the node's workers, in place
+_MAX_DIMS = 8  # dimensions a gathered tensor may have (what the shape exchange carries)
+_EXACT_IN_FLOAT64 = 2 ** 53  # integers that survive the float64 exchange unchanged
+# Every worker computes the same loss from the same gathered bits; only kernels that round
+# differently at another memory alignment may move it, by far less than this.
+_SAME_LOSS = 1e-6
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor:
+    """The global batch's ``tensor``: each worker's slice (dimension 0), worker 0's first, in sample order.
+
+    Call it inside ``step_fn`` on what the step computed from its slice (embeddings, logits),
+    then compute the loss over the whole batch from what it returns and return that scalar: every
+    worker computes the same loss, and the step's gradient is that loss's, exactly. Gradients
+    flow back to each worker's own slice. Outside sn_trainer (a plain loop) and with one worker
+    it returns ``tensor`` itself. Floating tensors keep their gradient; integer and bool tensors
+    (labels) are gathered without one.
+
+    Raises:
+        InputError: called where it cannot be exact (evaluation with several workers, a step the
+            loss probe saw without it), or with slices whose shapes differ beyond dimension 0.
+    """
+    return current().gather(tensor)
+
+
+class Gathering:
+    """Where one process holds the whole batch (the loss probe, one worker's evaluation): ``gather``
+    returns its argument, and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        _check(tensor)
+        self.calls += 1
+        return tensor
+
+    def terms(self, loss: torch.Tensor, samples: int) -> tuple[torch.Tensor, float]:
+        """``(loss_sum, count)`` of a loss over a gathered batch: here a batch of ``samples`` on its
+        own (an evaluation chunk), weighed by its samples as a plain evaluation loop weighs it."""
+        return loss * samples, float(samples)
+
+
+class Refusing(Gathering):
+    """Where a gather cannot be exact: calling it raises, saying ``why``."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__()
+        self.why = why
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise InputError(self.why)
+
+
+class StepGathering(Gathering):
+    """One micro-batch of a training step, in worker ``rank`` of ``workers``: gathers exchange the
+    slices through ``sum_in_node`` (each worker's slice in its own rows, zeros elsewhere: the sum is
+    the concatenation, the same bits everywhere)."""
+
+    def __init__(self, rank: int, workers: int, sum_in_node: Sum) -> None:
+        super().__init__()
+        self.rank, self.workers, self.sum_in_node = rank, workers, sum_in_node
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        _check(tensor)
+        self.calls += 1
+        if self.workers == 1:
+            return tensor
+        sizes = self._sizes(tensor)
+        if tensor.is_floating_point():
+            return _Gather.apply(tensor, self, sizes)
+        return self._exchange(tensor.detach(), sizes)
+
+    def _sizes(self, tensor: torch.Tensor) -> list[int]:
+        """Every worker's slice size; the same call, dimensions and dtype in all of them, or an error."""
+        shapes = torch.zeros(self.workers, 3 + _MAX_DIMS, dtype=torch.float64)
+        shapes[self.rank, :3] = torch.tensor([self.calls, tensor.dim(), _DTYPES.index(tensor.dtype)])
+        shapes[self.rank, 3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.float64)
+        self.sum_in_node(shapes)
+        mine = shapes[self.rank].clone()
+        mine[3] = 0.0
+        for rank, theirs in enumerate(shapes):
+            theirs = theirs.clone()
+            theirs[3] = 0.0
+            if not torch.equal(theirs, mine):
+                raise InputError(f"sn_trainer.gather call {self.calls}: worker {rank} gathers "
+                                 f"{_describe(shapes[rank])}, worker {self.rank} {_describe(shapes[self.rank])}; "
+                                 "every worker must gather the same tensors in the same order, alike beyond "
+                                 "dimension 0 (the batch)")
+        return [int(n) for n in shapes[:, 3].tolist()]
+
+    def _exchange(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        start = sum(sizes[: self.rank])
+        rows = torch.zeros((sum(sizes), *tensor.shape[1:]), dtype=torch.float64)
+        rows[start : start + sizes[self.rank]] = tensor
+        return self.sum_in_node(rows).to(tensor.dtype)
+
+    def terms(self, loss: torch.Tensor, samples: int) -> tuple[torch.Tensor, float]:
+        """``(loss, 1)``: each worker's micro-batch counted once (see the module's docstring).
+
+        Raises:
+            InputError: no gather in this micro-batch, or a loss that differs between the workers.
+        """
+        if self.calls == 0:
+            raise InputError("step_fn called sn_trainer.gather when its loss was probed before the run, but not on "
+                             "this micro-batch: call it on every batch")
+        if self.workers > 1:
+            losses = torch.zeros(self.workers, dtype=torch.float64)
+            losses[self.rank] = loss.detach().double()
+            self.sum_in_node(losses)
+            spread = (losses.max() - losses.min()).item()
+            if torch.isfinite(losses).all() and spread > _SAME_LOSS * losses.abs().max().item():
+                raise InputError(f"step_fn's loss over the gathered batch differs between workers "
+                                 f"({', '.join(f'{v:.10g}' for v in losses.tolist())}): compute it from what "
+                                 "sn_trainer.gather returns only, with no term of the worker's own slice and no "
+                                 "random draw (dropout) after the gather, so that every worker computes the same loss")
+        return loss, 1.0
+
+
+class _Gather(torch.autograd.Function):
+    """The exchange, whose backward hands this worker ``W`` times the gradient of its own rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, gathering, sizes):
+        ctx.start, ctx.stop = sum(sizes[: gathering.rank]), sum(sizes[: gathering.rank + 1])
+        ctx.workers = gathering.workers
+        return gathering._exchange(tensor.detach(), sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start : ctx.stop] * ctx.workers, None, None
+
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+def _check(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        raise InputError(f"sn_trainer.gather takes a tensor whose dimension 0 is the batch, got "
+                         f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+        raise InputError(f"sn_trainer.gather takes a float, integer or bool tensor of at most {_MAX_DIMS} "
+                         f"dimensions, got {tensor.dtype} of {tensor.dim()}")
+    if tensor.dtype == torch.int64 and tensor.numel() and tensor.abs().max().item() >= _EXACT_IN_FLOAT64:
+        raise InputError("sn_trainer.gather exchanges integers through float64: values must stay below 2**53")
+
+
+def _describe(row: torch.Tensor) -> str:
+    dims = int(row[1].item())
+    return f"{_DTYPES[int(row[2].item())]} of shape {tuple(int(n) for n in row[3 : 3 + dims].tolist())}"
+
+
+_current: contextvars.ContextVar[Gathering | None] = contextvars.ContextVar("sn_trainer_gathering", default=None)
+
+
+@contextlib.contextmanager
+def gathering(how: Gathering) -> Iterator[Gathering]:
+    """Make ``how`` what ``gather`` calls do while the block runs (a step's micro-batch, an evaluation)."""
+    token = _current.set(how)
+    try:
+        yield how
+    finally:
+        _current.reset(token)
+
+
+def current() -> Gathering:
+    """What a gather does here (outside any block: one process with the whole batch)."""
+    return _current.get() or Gathering()
