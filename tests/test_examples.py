@@ -46,3 +46,13 @@ def test_dcgan_on_fashion_mnist(tmp_path):
     losses = re.search(r"4 steps: loss D ([\d.]+), G ([\d.]+)", out)
     assert losses and 0 < float(losses.group(1)) < 3 and 0 < float(losses.group(2)) < 5
     assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simclr_with_activation_checkpointing_on_fashion_mnist():
+    out = run("simclr.py", "--max-steps", "6", "--limit", "512", "--batch-size", "32", "--log-every", "1")
+    found = re.search(r"NT-Xent ([\d.]+) first, ([\d.]+) last \(gathered over the global batch of 32, 2 workers\); "
+                      r"nearest-neighbour accuracy ([\d.]+)", out)
+    assert found, out
+    first, last, accuracy = map(float, found.groups())
+    assert 0 < first < 4.2 and 0 < last < 4.2  # ln(63 other embeddings) = 4.14 for an encoder that tells none apart
+    assert 0.1 < accuracy <= 1  # ten classes
