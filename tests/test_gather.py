@@ -6,6 +6,7 @@ whole global batch at once; parameters are compared in float64 (``assert_exact``
 """
 import copy
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -155,10 +156,11 @@ def ordered_step(model, batch, record_dir):
     gradient); the gathered sample indices written down, once per worker."""
     view1, view2, index = batch
     gathered = sn_trainer.gather(index)
+    z1, z2 = sn_trainer.gather(model.encoder(view1)), sn_trainer.gather(model.encoder(view2))
     if len(gathered) == 10:  # a global batch (the probe's and the rehearsal's batches are smaller)
         with open(Path(record_dir) / f"{os.getpid()}.txt", "a") as out:
-            out.write(" ".join(map(str, gathered.tolist())) + "\n")
-    z1, z2 = sn_trainer.gather(model.encoder(view1)), sn_trainer.gather(model.encoder(view2))
+            digest = hashlib.sha256(z1.detach().numpy().tobytes()).hexdigest()
+            out.write(" ".join(map(str, gathered.tolist())) + f" {digest}\n")
     weights = torch.arange(1, len(z1) + 1, dtype=z1.dtype).unsqueeze(1)
     return nt_xent(z1 * weights, z2, model.log_temperature)
 
@@ -172,8 +174,12 @@ def test_gather_returns_the_global_batch_in_sample_order(tmp_path):
     Trainer(workers=3, batch_size=10, max_steps=3, seed=7).fit(
         model, data, optimizer=SGD, step_fn=functools.partial(ordered_step, record_dir=str(tmp_path)))
     expected = [plain_indices(30, 10, 7, step).tolist() for step in range(3)]
-    written = sorted(line.split() for f in tmp_path.iterdir() for line in f.read_text().splitlines())
-    assert written == sorted([list(map(str, order)) for order in expected] * 3)  # every worker, every step
+    written = [line.split() for f in tmp_path.iterdir() for line in f.read_text().splitlines()]
+    assert sorted(line[:-1] for line in written) == sorted([list(map(str, order)) for order in expected] * 3)
+    digests = {}  # the gathered embeddings of each step, bit for bit, in every worker
+    for line in written:
+        digests.setdefault(tuple(line[:-1]), set()).add(line[-1])
+    assert all(len(seen) == 1 for seen in digests.values())
 
     optimizer = SGD(reference.parameters())
     for order in expected:
