@@ -106,7 +106,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = Encoder()
     trainer = Trainer(workers=args.workers if args.workers == "auto" else int(args.workers),
-                      batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps, log_every=args.log_every)
+                      batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps,
+                      log_every=args.log_every)
     result = trainer.fit(model, TensorDataset(images), step_fn=step,
                          optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
     losses = [record["loss"] for record in result.history if "loss" in record]
