@@ -139,15 +139,18 @@ def clip_plain(model, batch):
     return clip_loss(model.image(images), model.text(texts), model.logit_scale)
 
 
-def test_clip_loss_gradients_reach_each_slice_once_and_the_scale_whole():
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_clip_loss_gradients_reach_each_slice_once_and_the_scale_whole(comm):
     """Wrong if gather's backward gave a worker more than its own rows, or if the gradient of a
-    parameter used after the gather (the logit scale) were summed over the workers."""
+    parameter used after the gather (the logit scale) were summed over the workers; through
+    either reducer's exchange."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(2)
     model = CLIP().double()
     data = TensorDataset(torch.randn(30, 6, generator=g, dtype=F64), torch.randn(30, 3, generator=g, dtype=F64))
     reference = plain_steps(copy.deepcopy(model), data, 10, steps=4, seed=6, loss=clip_plain)
-    Trainer(workers=2, batch_size=10, max_steps=4, seed=6).fit(model, data, optimizer=SGD, step_fn=clip_step)
+    Trainer(workers=2, batch_size=10, max_steps=4, seed=6, comm=comm).fit(model, data, optimizer=SGD,
+                                                                          step_fn=clip_step)
     assert_exact(model, reference)
 
 
