@@ -15,7 +15,8 @@ from torch import nn
 
 from ..data.batching import in_layout
 from ..data.feed import Feed
-from ..data.source import Source
+from ..data.source import Source, different_orders
+from ..errors import DataError
 from . import random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals
@@ -134,12 +135,17 @@ class Replica:
         plan = self.plan
         with timer("data"):
             micro_batches = self.feed.step(step)
+            digest = self.launch.train.order_digest(step)
         phase_totals = []
         for index, phase in enumerate(self.phases):
             if index:
                 with timer("wait"):
                     self.reducer.barrier()  # the previous phase's update is written everywhere
-            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer))
+            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer,
+                                                digest))
+            if not phase_totals[-1].one_batch:  # every worker reads the same totals: all stop here, before an update
+                raise DataError(different_orders(f"the workers read different items for step {step + 1}'s global "
+                                                 "batch"))
             if index == 0:
                 self.lr_used = self.current_lr()  # before the scheduler moves it on
             with timer("update"):
@@ -158,9 +164,10 @@ class Replica:
         return phase_totals
 
     def phase_step(self, round_: int, phase: WorkerPhase, micro_batches: list[tuple[Any, int]],
-                   timer: StageTimer) -> StepTotals:
+                   timer: StageTimer, digest: int | None = None) -> StepTotals:
         """Forward and backward of one phase's loss on this worker's micro-batches, and the sum of
-        the gradients over the workers; ``round_`` counts phases over the run (the board's turn)."""
+        the gradients over the workers; ``round_`` counts phases over the run (the board's turn),
+        ``digest`` is the source's of the global batch read (compared with the peers' on the board)."""
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
         # barrier that closed the previous phase or step.
         self.reducer.grad_flat.zero_()
@@ -178,7 +185,8 @@ class Replica:
             count += micro_count
         with timer("reduce"):
             changed = self.buffers.changed() if self.rank == 0 else None
-            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
+            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed,
+                                      digest)
             self.reducer.reduce()
         totals = self.step_totals(round_, phase.objective)
         if self.rank != 0:

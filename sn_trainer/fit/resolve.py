@@ -19,7 +19,7 @@ from ..checkpoint.files import CheckpointDir
 from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data.sampler import slice_bounds, steps_per_epoch
-from ..data.source import Source, make_source
+from ..data.source import Source, different_orders, make_source
 from ..engine import random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
@@ -28,7 +28,7 @@ from ..engine.objective import MEAN, Objective
 from ..engine.phases import PhaseSpec
 from ..engine.plan import Placement, Plan
 from ..engine.runtime import Runtime
-from ..errors import ConfigError, UserCodeError
+from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
 from . import decide, preflight
@@ -101,6 +101,11 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     model = given.model
     objective = _objective(given)
     train, evaluation = _sources(given, settings, objective)
+    if placement.global_workers > 1:
+        _check_one_order(train, settings.batch_size * settings.accumulate, "the first global batch", settings.seed)
+        if evaluation is not None:
+            _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers,
+                             "the first evaluation chunks", settings.seed)
     per_epoch, total_steps = steps_of(settings, train)
     if settings.measure_after >= total_steps:
         raise ConfigError(f"measure_after={settings.measure_after} leaves none of the {total_steps} steps to "
@@ -277,6 +282,24 @@ def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) ->
                                  _accepts(objective, given.model, eval_collate_fn)) \
             if given.eval_set is not None else None
     return train, evaluation
+
+
+def _check_one_order(source: Source, count: int, what: str, seed: int) -> None:
+    """Refuse a stream whose order follows the random state of the process reading it: its first
+    ``count`` items read twice, from two copies, in the random states workers 0 and 1 start with
+    (the workers prove their orders the same step by step; this catches most streams before any
+    starts, an unseeded shuffle buffer or torch.randperm in __iter__).
+
+    Raises:
+        DataError: the two reads differ.
+    """
+    digests = set()
+    for rank in (0, 1):
+        with random_state.kept():
+            random_state.seed(seed * 1000 + rank)  # as engine/worker.py seeds worker ``rank``
+            digests.add(source.head_digest(count))
+    if len(digests) > 1:
+        raise DataError(different_orders(f"{what} differed between two reads before any worker started"))
 
 
 def _check_model(model: nn.Module) -> None:
