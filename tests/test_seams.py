@@ -78,6 +78,9 @@ class ColumnSource:
     def head_digest(self, count):
         return None
 
+    def eval_digest(self):
+        return None
+
     def share_memory(self):
         for column in self.columns.values():
             column.share_memory_()

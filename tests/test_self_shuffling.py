@@ -5,6 +5,7 @@ pipeline, as its users write one: unseeded shuffle refused, seeded shuffle exact
 import copy
 import functools
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -59,6 +60,27 @@ def test_workers_that_read_different_items_stop_at_the_first_step_they_differ():
                                            "global batch"):
         Trainer(workers=2, batch_size=6, epochs=3).fit(SmallConvNet().double(), OwnOrder(from_epoch=1),
                                                        optimizer=SGD)
+
+
+class OwnOrderAway(OwnOrder):
+    """In the process that made it, the stored order; in any other (a worker), an order of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.home = os.getpid()
+
+    def __iter__(self):
+        order = torch.arange(20) if os.getpid() == self.home else torch.randperm(20)
+        return (self.data[int(i)] for i in order)
+
+
+def test_an_evaluation_on_a_stream_the_workers_read_in_different_orders_is_an_error_not_a_number():
+    """Each worker takes chunks c mod W of the order it reads: in different orders, some samples
+    would count twice and some never, so the evaluation reports an error instead of metrics."""
+    metrics = Trainer(workers=2, eval_batch_size=4).evaluate(SmallConvNet().double(), OwnOrderAway())
+    assert set(metrics) == {"eval_error"}
+    assert metrics["eval_error"].startswith("the stream gives workers different orders (the workers read different "
+                                            "items for the evaluation)")
 
 
 def test_the_board_tells_one_digest_from_two_in_a_node_and_across_nodes():

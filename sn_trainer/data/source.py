@@ -14,8 +14,9 @@ reads a dataset reads it (a new kind of data is one class here, added to that li
   names, offsets) with a collate_fn that loads them loads each sample once. That is exact only
   if every worker reads the same order, so with several workers each digests every item of each
   global batch it reads (``order_digest``), the workers compare the digests on the board with
-  the step's sums, and a difference ends the run at that step; a stream whose order follows the
-  process's random state is refused before any worker starts (``head_digest``, read twice).
+  the step's sums, and a difference ends the run at that step (an evaluation's, ``eval_digest``,
+  is an evaluation error); a stream whose order follows the process's random state is refused
+  before any worker starts (``head_digest``, read twice).
 
 Datasets with ``set_epoch(epoch)`` (Hugging Face datasets, sn_trainer's folder of images) are told
 each epoch before it is read, as a DistributedSampler is.
@@ -76,6 +77,10 @@ class Source(Protocol):
 
     def head_digest(self, count: int) -> int | None:
         """A digest of the first ``count`` items, read afresh from a copy (None: as for ``order_digest``)."""
+
+    def eval_digest(self) -> int | None:
+        """A digest of every item the last ``eval_chunks`` read, all workers' chunks, once it ran to
+        its end (None: as for ``order_digest``)."""
 
     def share_memory(self) -> None:
         """Move what workers read to shared memory, where it can be (before they start)."""
@@ -165,6 +170,9 @@ class IndexSource:
     def head_digest(self, count: int) -> int | None:
         return None
 
+    def eval_digest(self) -> int | None:
+        return None  # contiguous slices by position
+
     def share_memory(self) -> None:
         share_dataset(self.dataset)
 
@@ -220,6 +228,7 @@ class StreamSource:
         self._start = 0  # the reader's pass's first item's place in the whole sequence
         self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
         self._digests: dict[int, ItemDigest] = {}  # each step read and not yet asked for (several workers)
+        self._eval_digest: int | None = None  # of the last evaluation read (several workers)
 
     @classmethod
     def reads(cls, dataset: Any) -> bool:
@@ -331,13 +340,20 @@ class StreamSource:
 
     def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
         """Chunks of ``chunk`` items in order, chunk c going to worker c mod ``world``."""
-        items = iter(self.stream)
+        items, digest = iter(self.stream), ItemDigest() if world > 1 else None
+        self._eval_digest = None
         for c in itertools.count() if max_chunks is None else range(max_chunks):
             batch = list(itertools.islice(items, chunk))
             if not batch:
-                return
+                break
+            if digest is not None:
+                digest.add(batch)
             if c % world == rank:
                 yield _collate(batch, self.collate_fn), len(batch)
+        self._eval_digest = digest.value() if digest is not None else None
+
+    def eval_digest(self) -> int | None:
+        return self._eval_digest
 
     def position(self, step: int) -> dict[str, int]:
         """The pass and the items of it before."""

@@ -25,6 +25,19 @@ _DIGEST, _SQUARES, _WORKERS = 3, 3 + _PARTS, 3 + 2 * _PARTS
 _USED = _WORKERS + 1
 
 
+def digest_terms(digest: int | None) -> torch.Tensor:
+    """What a worker adds to the sums for its ``digest`` (None: the same in every worker by
+    construction): its 8 bytes, their squares, and a 1."""
+    parts = torch.tensor(list((digest or 0).to_bytes(_PARTS, "little")), dtype=torch.float64)
+    return torch.cat([parts, parts * parts, torch.ones(1, dtype=torch.float64)])
+
+
+def one_digest(summed: torch.Tensor) -> bool:
+    """Whether the workers whose ``digest_terms`` were summed into ``summed`` had one digest."""
+    parts, squares, workers = summed[:_PARTS], summed[_PARTS : 2 * _PARTS], summed[2 * _PARTS]
+    return bool(torch.equal(workers * squares, parts * parts))
+
+
 @dataclass(frozen=True)
 class StepTotals:
     """The node's (or, across nodes, every node's) step, as all workers read it alike."""
@@ -57,8 +70,7 @@ class Board:
         """``digest``: of the global batch this worker read (None: the same in every worker by construction)."""
         row = self.block[step % 2, rank]
         row[_LOSS], row[_COUNT], row[_GRAD] = loss_sum, count, grad_sum
-        parts = torch.tensor(list((digest or 0).to_bytes(_PARTS, "little")), dtype=torch.float64)
-        row[_DIGEST:_SQUARES], row[_SQUARES:_WORKERS], row[_WORKERS] = parts, parts * parts, 1.0
+        row[_DIGEST:_USED] = digest_terms(digest)
         row[_USED : _USED + self.parameters] = used
         if changed is not None:
             row[_USED + self.parameters :] = changed
@@ -73,9 +85,8 @@ class Board:
 
     def read(self, totals: torch.Tensor) -> StepTotals:
         loss_sum, count, non_finite = totals[:_DIGEST].tolist()
-        parts, squares, workers = totals[_DIGEST:_SQUARES], totals[_SQUARES:_WORKERS], totals[_WORKERS]
         used, changed = totals[_USED : _USED + self.parameters], totals[_USED + self.parameters :]
         return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum),
                           tuple(int(i) for i in torch.nonzero(used == 0).flatten()),
                           tuple(int(i) for i in torch.nonzero(changed > 0).flatten()),
-                          bool(torch.equal(workers * squares, parts * parts)))
+                          one_digest(totals[_DIGEST:_USED]))

@@ -19,7 +19,7 @@ from ..data.source import Source, different_orders
 from ..errors import DataError
 from . import random_state
 from .batchnorm import synchronise
-from .board import Board, StepTotals
+from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
 from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from .launch import Heartbeats, pack
@@ -263,12 +263,11 @@ class Replica:
             self.buffers.adopt()
         keys = self.objective.eval_keys
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
-        error = None
+        error, evaluation = None, self.launch.evaluation
         try:
             settings = self.plan.settings
-            for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
-                                                                     settings.eval_batch_size,
-                                                                     settings.max_eval_batches):
+            for batch, samples in evaluation.eval_chunks(self.global_rank, self.global_workers,
+                                                         settings.eval_batch_size, settings.max_eval_batches):
                 beat("eval")
                 batch = in_layout(batch, settings.channels_last)
                 found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
@@ -281,11 +280,15 @@ class Replica:
             error = traceback.format_exc()
             sums[-1] += 1
         beat("sync")
-        self.global_sum(sums)
+        # Each worker digests all it read of the set, its peers' chunks too: equal where all read one order.
+        summed = self.global_sum(torch.cat([sums, digest_terms(evaluation.eval_digest() if error is None else None)]))
+        sums, read = summed[: len(sums)], summed[len(sums) :]
         for module, training in modes:
             module.training = training
         if sums[-1] > 0:
             return {"eval_error": error or "evaluation failed in another worker"}
+        if not one_digest(read):
+            return {"eval_error": different_orders("the workers read different items for the evaluation")}
         result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
         for k, key in enumerate(keys):  # a metric that counted nothing is NaN, as a mean of nothing is
             result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item() if sums[2 * k + 1] > 0 else math.nan

@@ -145,6 +145,9 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     objective = _objective(given)
     evaluation = make_source(given.eval_set, "dataset", settings, given.eval_collate_fn,
                              _accepts(objective, given.model, given.eval_collate_fn))
+    if placement.global_workers > 1:
+        _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, "the first chunks",
+                         settings.seed)
     _check_sendable(given, objective, [])
     settings = decide.for_model(settings, given.model)
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
