@@ -43,8 +43,8 @@ class OwnOrder(IterableDataset):
 
 
 def test_a_stream_in_the_order_of_the_process_random_state_is_refused_before_any_worker_starts():
-    with pytest.raises(DataError, match=REFUSED + r"the first global batch differed between two reads before any "
-                                        r"worker started\).*\.shuffle\(n, seed=S\).*or pass a map-style dataset"):
+    with pytest.raises(DataError, match=REFUSED + r"its first 6 items differed between two reads before any worker "
+                                        r"started\).*\.shuffle\(n, seed=S\).*or pass a map-style dataset"):
         Trainer(workers=2, batch_size=6, max_steps=2).fit(SmallConvNet().double(), OwnOrder(), optimizer=SGD)
 
 

@@ -101,15 +101,14 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     model = given.model
     objective = _objective(given)
     train, evaluation = _sources(given, settings, objective)
-    if placement.global_workers > 1:
-        _check_one_order(train, settings.batch_size * settings.accumulate, "the first global batch", settings.seed)
-        if evaluation is not None:
-            _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers,
-                             "the first evaluation chunks", settings.seed)
     per_epoch, total_steps = steps_of(settings, train)
     if settings.measure_after >= total_steps:
         raise ConfigError(f"measure_after={settings.measure_after} leaves none of the {total_steps} steps to "
                           "measure; lower it or train longer")
+    if placement.global_workers > 1:
+        _check_one_order(train, settings.batch_size * settings.accumulate, settings.seed)
+        if evaluation is not None:
+            _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
     _check_model(model)
     phases = resolve_phases(model, given, objective)
     _check_sendable(given, objective, phases)
@@ -146,8 +145,7 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     evaluation = make_source(given.eval_set, "dataset", settings, given.eval_collate_fn,
                              _accepts(objective, given.model, given.eval_collate_fn))
     if placement.global_workers > 1:
-        _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, "the first chunks",
-                         settings.seed)
+        _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
     _check_sendable(given, objective, [])
     settings = decide.for_model(settings, given.model)
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
@@ -287,22 +285,29 @@ def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) ->
     return train, evaluation
 
 
-def _check_one_order(source: Source, count: int, what: str, seed: int) -> None:
+# Items of a stream read twice before the start: enough for a shuffle buffer's draws to show,
+# few enough that the launcher's reading stays short whatever the batch.
+_HEAD_ITEMS = 256
+
+
+def _check_one_order(source: Source, count: int, seed: int) -> None:
     """Refuse a stream whose order follows the random state of the process reading it: its first
-    ``count`` items read twice, from two copies, in the random states workers 0 and 1 start with
-    (the workers prove their orders the same step by step; this catches most streams before any
-    starts, an unseeded shuffle buffer or torch.randperm in __iter__).
+    ``count`` items (at most ``_HEAD_ITEMS``) read twice, from two copies, in the random states
+    workers 0 and 1 start with. The workers prove their orders the same step by step; this
+    catches most such streams (an unseeded shuffle buffer, torch.randperm in __iter__) before any
+    worker starts.
 
     Raises:
         DataError: the two reads differ.
     """
-    digests = set()
+    count, digests = min(count, _HEAD_ITEMS), set()
     for rank in (0, 1):
         with random_state.kept():
             random_state.seed(seed * 1000 + rank)  # as engine/worker.py seeds worker ``rank``
             digests.add(source.head_digest(count))
     if len(digests) > 1:
-        raise DataError(different_orders(f"{what} differed between two reads before any worker started"))
+        raise DataError(different_orders(f"its first {count} items differed between two reads before any worker "
+                                         "started"))
 
 
 def _check_model(model: nn.Module) -> None:
