@@ -114,10 +114,12 @@ def test_an_item_digest_follows_order_and_content_not_storage():
 
 # --- webdataset, as its users write a pipeline ---------------------------------------------------
 
-wds = pytest.importorskip("webdataset")
+@pytest.fixture
+def wds():
+    return pytest.importorskip("webdataset")  # the test extra installs it; the tests above need none
 
 
-def write_shards(directory, samples=20, per_shard=8):
+def write_shards(wds, directory, samples=20, per_shard=8):
     """Tiny .tar shards of (image, label) samples: float64 .npy images, .cls labels."""
     data = tiny_dataset(n=samples, seed=4, dtype=torch.float64)
     urls = []
@@ -131,7 +133,7 @@ def write_shards(directory, samples=20, per_shard=8):
     return urls
 
 
-def pipeline(urls, **shuffle):
+def pipeline(wds, urls, **shuffle):
     """Shards in order, a shuffle buffer of 10 (given ``shuffle``'s arguments), decoded to tensors."""
     dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
     if shuffle:
@@ -139,29 +141,29 @@ def pipeline(urls, **shuffle):
     return dataset.decode().to_tuple("input.npy", "cls").map_tuple(torch.from_numpy, int)
 
 
-def test_webdataset_with_its_unseeded_shuffle_is_refused_with_the_advice(tmp_path):
-    urls = write_shards(tmp_path)
+def test_webdataset_with_its_unseeded_shuffle_is_refused_with_the_advice(tmp_path, wds):
+    urls = write_shards(wds, tmp_path)
     with pytest.raises(DataError, match=REFUSED + r".*webdataset's \.shuffle\(n, seed=S\)"):
-        Trainer(workers=2, batch_size=6, max_steps=4).fit(SmallConvNet().double(), pipeline(urls, initial=10),
+        Trainer(workers=2, batch_size=6, max_steps=4).fit(SmallConvNet().double(), pipeline(wds, urls, initial=10),
                                                           optimizer=SGD)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_webdataset_with_its_shuffle_seeded_trains_as_a_plain_loop_over_it(tmp_path, workers):
+def test_webdataset_with_its_shuffle_seeded_trains_as_a_plain_loop_over_it(tmp_path, wds, workers):
     """20 samples in batches of 6 for 5 steps: the stream, without a length, is read again when a
     pass ends (the seeded buffer gives every pass, in every worker, the same order)."""
-    urls = write_shards(tmp_path)
+    urls = write_shards(wds, tmp_path)
     torch.manual_seed(0)
     model = SmallConvNet().double()
     reference = copy.deepcopy(model)
     optimizer = SGD(reference.parameters())
-    items = itertools.chain.from_iterable(pipeline(urls, seed=7, initial=10) for _ in itertools.count())
+    items = itertools.chain.from_iterable(pipeline(wds, urls, seed=7, initial=10) for _ in itertools.count())
     for _ in range(5):
         inputs, targets = default_collate(list(itertools.islice(items, 6)))
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(reference(inputs), targets).backward()
         optimizer.step()
-    result = Trainer(workers=workers, batch_size=6, max_steps=5).fit(model, pipeline(urls, seed=7, initial=10),
+    result = Trainer(workers=workers, batch_size=6, max_steps=5).fit(model, pipeline(wds, urls, seed=7, initial=10),
                                                                      optimizer=SGD)
     assert result.steps == 5 and result.plan["data"] == "stream"
     assert_exact(model, reference)
