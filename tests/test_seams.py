@@ -72,6 +72,15 @@ class ColumnSource:
         inputs, targets = self._rows(torch.tensor([0]))
         return inputs[0], targets[0]
 
+    def order_digest(self, step):
+        return None  # read by index in (seed, epoch) order: the same in every worker
+
+    def head_digest(self, count):
+        return None
+
+    def eval_digest(self):
+        return None
+
     def share_memory(self):
         for column in self.columns.values():
             column.share_memory_()

@@ -11,7 +11,12 @@ reads a dataset reads it (a new kind of data is one class here, added to that li
   afresh each epoch; one without is one sequence (when a pass ends, the next begins, and a batch
   may run across the seam). Every worker reads the whole stream and keeps its slice: items not
   its own are drawn and dropped before ``collate_fn``, so a stream of cheap references (file
-  names, offsets) with a collate_fn that loads them loads each sample once.
+  names, offsets) with a collate_fn that loads them loads each sample once. That is exact only
+  if every worker reads the same order, so with several workers each digests every item of each
+  global batch it reads (``order_digest``), the workers compare the digests on the board with
+  the step's sums, and a difference ends the run at that step (an evaluation's, ``eval_digest``,
+  is an evaluation error); a stream whose order follows the process's random state is refused
+  before any worker starts (``head_digest``, read twice).
 
 Datasets with ``set_epoch(epoch)`` (Hugging Face datasets, sn_trainer's folder of images) are told
 each epoch before it is read, as a DistributedSampler is.
@@ -29,6 +34,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError, DataError
 from .batching import fetch_batch, share_dataset
+from .digest import ItemDigest
 from .sampler import GlobalBatches, slice_bounds, steps_per_epoch
 
 if TYPE_CHECKING:
@@ -63,6 +69,18 @@ class Source(Protocol):
 
     def first_item(self) -> Any:
         """The first item (None: there is none)."""
+
+    def order_digest(self, step: int) -> int | None:
+        """A digest of every item of step ``step``'s global batch as this process read them, all its
+        micro-batches', before it kept its slice; asked once, after the step was read (None: the
+        order follows from (seed, epoch) alone, the same in every worker by construction)."""
+
+    def head_digest(self, count: int) -> int | None:
+        """A digest of the first ``count`` items, read afresh from a copy (None: as for ``order_digest``)."""
+
+    def eval_digest(self) -> int | None:
+        """A digest of every item the last ``eval_chunks`` read, all workers' chunks, once it ran to
+        its end (None: as for ``order_digest``)."""
 
     def share_memory(self) -> None:
         """Move what workers read to shared memory, where it can be (before they start)."""
@@ -146,6 +164,15 @@ class IndexSource:
     def first_item(self) -> Any:
         return self.dataset[0] if self.size else None
 
+    def order_digest(self, step: int) -> int | None:
+        return None  # positions of a permutation drawn from (seed, epoch): one order in every worker
+
+    def head_digest(self, count: int) -> int | None:
+        return None
+
+    def eval_digest(self) -> int | None:
+        return None  # contiguous slices by position
+
     def share_memory(self) -> None:
         share_dataset(self.dataset)
 
@@ -200,13 +227,16 @@ class StreamSource:
         self._own: IterableDataset | None = None  # this process's copy of the stream (see _stream)
         self._start = 0  # the reader's pass's first item's place in the whole sequence
         self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
+        self._digests: dict[int, ItemDigest] = {}  # each step read and not yet asked for (several workers)
+        self._eval_digest: int | None = None  # of the last evaluation read (several workers)
 
     @classmethod
     def reads(cls, dataset: Any) -> bool:
         return isinstance(dataset, IterableDataset)
 
     def __getstate__(self):
-        return {**self.__dict__, "_reader": None, "_own": None}  # iterators and copies stay in their process
+        # Iterators, copies and digests stay in their process.
+        return {**self.__dict__, "_reader": None, "_own": None, "_digests": {}}
 
     def _stream(self) -> IterableDataset:
         """A copy of the stream of this worker's own: its state (the epoch set_epoch sets, which a
@@ -223,6 +253,9 @@ class StreamSource:
             items = self._read_in_pass(*divmod(step, self.steps_per_epoch), micro)
         else:
             items = self._read_across_passes((step * b.accumulate + micro) * b.batch_size)
+        if world > 1:  # the reading thread adds to step's digest; the step asks for it once read
+            digest = self._digests[step] = ItemDigest() if micro == 0 else self._digests[step]
+            digest.add(items)
         start, stop = slice_bounds(len(items), world, rank)
         if start == stop:
             return None, 0
@@ -275,6 +308,10 @@ class StreamSource:
         reader.skip_to(offset)
         return reader
 
+    def order_digest(self, step: int) -> int | None:
+        digest = self._digests.pop(step, None)
+        return digest.value() if digest is not None else None
+
     # --- before the run, and its checkpoints --------------------------------------------------
 
     def _head(self, count: int) -> list:
@@ -291,18 +328,32 @@ class StreamSource:
         head = self._head(1)
         return head[0] if head else None
 
+    def head_digest(self, count: int) -> int:
+        # A copy, as each worker reads one: reading the stream itself could move a state of its own
+        # (a generator object it holds) that every worker receives alike.
+        digest = ItemDigest()
+        digest.add(itertools.islice(iter(copy.deepcopy(self.stream)), count))
+        return digest.value()
+
     def share_memory(self) -> None:
         pass  # each worker reads a copy of its own (see _stream)
 
     def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
         """Chunks of ``chunk`` items in order, chunk c going to worker c mod ``world``."""
-        items = iter(self.stream)
+        items, digest = iter(self.stream), ItemDigest() if world > 1 else None
+        self._eval_digest = None
         for c in itertools.count() if max_chunks is None else range(max_chunks):
             batch = list(itertools.islice(items, chunk))
             if not batch:
-                return
+                break
+            if digest is not None:
+                digest.add(batch)
             if c % world == rank:
                 yield _collate(batch, self.collate_fn), len(batch)
+        self._eval_digest = digest.value() if digest is not None else None
+
+    def eval_digest(self) -> int | None:
+        return self._eval_digest
 
     def position(self, step: int) -> dict[str, int]:
         """The pass and the items of it before."""
@@ -322,6 +373,16 @@ class StreamSource:
             step_batch = self.settings.batch_size * self.settings.accumulate
             self._starts = {position["pass"]: step * step_batch - position["offset"]}
             self._reader = None
+
+
+def different_orders(why: str) -> str:
+    """The refusal of a stream that gives workers different orders; ``why`` says how it showed."""
+    return (f"the stream gives workers different orders ({why}): it shuffles itself "
+            "(an unseeded shuffle buffer such as webdataset's .shuffle(n), or random / torch.randperm in __iter__), "
+            "so samples would be trained twice or never; seed its shuffle, e.g. webdataset's .shuffle(n, seed=S), "
+            "or draw the order from torch.Generator().manual_seed(S * 1_000_003 + epoch) with the epoch "
+            "sn_trainer passes to its set_epoch(epoch) before each pass; or pass a map-style dataset, "
+            "which sn_trainer shuffles itself")
 
 
 # Every kind of source, in the order they are asked whether they read a dataset.

@@ -1,10 +1,16 @@
 """What every worker publishes before a step's reduce, and what all of them read after it.
 
 Each worker writes its loss sum, the count its loss is divided by, the sum of its own gradient
-(non-finite if any element is), which parameters its backward pass reached, and (worker 0) which
-buffers its forward passes changed. The reduce that follows is a synchronisation in itself, so
-reading the board afterwards costs nothing more: the loss, the divisor, the finite check, the
-unused parameters and the buffers to adopt travel with the gradients.
+(non-finite if any element is), the digest of the global batch it read (a stream's), which
+parameters its backward pass reached, and (worker 0) which buffers its forward passes changed.
+The reduce that follows is a synchronisation in itself, so reading the board afterwards costs
+nothing more: the loss, the divisor, the finite check, whether all read one batch, the unused
+parameters and the buffers to adopt travel with the gradients.
+
+Only sums reach every node, so the digests are compared through sums too: each worker writes its
+digest's bytes d_i, their squares and a 1, and N * sum(d_i^2) == (sum d_i)^2 holds exactly when
+every d_i is the same (all integers well below 2^53 for up to 2^18 workers: float64 sums them
+exactly).
 """
 from __future__ import annotations
 
@@ -13,7 +19,23 @@ from dataclasses import dataclass
 
 import torch
 
-_LOSS, _COUNT, _GRAD, _USED = 0, 1, 2, 3
+_LOSS, _COUNT, _GRAD = 0, 1, 2
+_PARTS = 8  # a 64-bit digest as 8 bytes
+_DIGEST, _SQUARES, _WORKERS = 3, 3 + _PARTS, 3 + 2 * _PARTS
+_USED = _WORKERS + 1
+
+
+def digest_terms(digest: int | None) -> torch.Tensor:
+    """What a worker adds to the sums for its ``digest`` (None: the same in every worker by
+    construction): its 8 bytes, their squares, and a 1."""
+    parts = torch.tensor(list((digest or 0).to_bytes(_PARTS, "little")), dtype=torch.float64)
+    return torch.cat([parts, parts * parts, torch.ones(1, dtype=torch.float64)])
+
+
+def one_digest(summed: torch.Tensor) -> bool:
+    """Whether the workers whose ``digest_terms`` were summed into ``summed`` had one digest."""
+    parts, squares, workers = summed[:_PARTS], summed[_PARTS : 2 * _PARTS], summed[2 * _PARTS]
+    return bool(torch.equal(workers * squares, parts * parts))
 
 
 @dataclass(frozen=True)
@@ -25,10 +47,11 @@ class StepTotals:
     finite: bool
     unused: tuple[int, ...]  # layout slots no worker's backward pass reached
     changed_buffers: tuple[int, ...] = ()  # buffers worker 0's step changed (ReplicaBuffers' order)
+    one_batch: bool = True  # every worker read the same global batch (the same digest, or none)
 
 
 class Board:
-    """A shared float64 block [2, workers, 3 + parameters + buffers], double-buffered by step parity.
+    """A shared float64 block [2, workers, 20 + parameters + buffers], double-buffered by step parity.
 
     A peer writes a parity again only after the next step's reduce, which waits for this
     worker's read, so every worker reads the same values.
@@ -43,23 +66,27 @@ class Board:
                    parameters)
 
     def publish(self, step: int, rank: int, loss_sum: float, count: float, grad_sum: float,
-                used: torch.Tensor, changed: torch.Tensor | None = None) -> None:
+                used: torch.Tensor, changed: torch.Tensor | None = None, digest: int | None = None) -> None:
+        """``digest``: of the global batch this worker read (None: the same in every worker by construction)."""
         row = self.block[step % 2, rank]
         row[_LOSS], row[_COUNT], row[_GRAD] = loss_sum, count, grad_sum
+        row[_DIGEST:_USED] = digest_terms(digest)
         row[_USED : _USED + self.parameters] = used
         if changed is not None:
             row[_USED + self.parameters :] = changed
 
     def totals(self, step: int) -> torch.Tensor:
-        """This node's sums: loss, count, non-finite entries, then per-parameter use counts."""
+        """This node's sums: loss, count, non-finite entries, the digests' parts, their squares and
+        the workers, then per-parameter use counts."""
         published = self.block[step % 2]
         out = published.sum(dim=0)
-        out[_GRAD] = float((~torch.isfinite(published[:, :_USED])).sum())
+        out[_GRAD] = float((~torch.isfinite(published[:, :_DIGEST])).sum())
         return out
 
     def read(self, totals: torch.Tensor) -> StepTotals:
-        loss_sum, count, non_finite = totals[:_USED].tolist()
+        loss_sum, count, non_finite = totals[:_DIGEST].tolist()
         used, changed = totals[_USED : _USED + self.parameters], totals[_USED + self.parameters :]
         return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum),
                           tuple(int(i) for i in torch.nonzero(used == 0).flatten()),
-                          tuple(int(i) for i in torch.nonzero(changed > 0).flatten()))
+                          tuple(int(i) for i in torch.nonzero(changed > 0).flatten()),
+                          one_digest(totals[_DIGEST:_USED]))

@@ -15,10 +15,11 @@ from torch import nn
 
 from ..data.batching import in_layout
 from ..data.feed import Feed
-from ..data.source import Source
+from ..data.source import Source, different_orders
+from ..errors import DataError
 from . import random_state
 from .batchnorm import synchronise
-from .board import Board, StepTotals
+from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
 from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from .launch import Heartbeats, pack
@@ -135,12 +136,17 @@ class Replica:
         plan = self.plan
         with timer("data"):
             micro_batches = self.feed.step(step)
+            digest = self.launch.train.order_digest(step)
         phase_totals = []
         for index, phase in enumerate(self.phases):
             if index:
                 with timer("wait"):
                     self.reducer.barrier()  # the previous phase's update is written everywhere
-            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer))
+            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer,
+                                                digest))
+            if not phase_totals[-1].one_batch:  # every worker reads the same totals: all stop here, before an update
+                raise DataError(different_orders(f"the workers read different items for step {step + 1}'s global "
+                                                 "batch"))
             if index == 0:
                 self.lr_used = self.current_lr()  # before the scheduler moves it on
             with timer("update"):
@@ -159,9 +165,10 @@ class Replica:
         return phase_totals
 
     def phase_step(self, round_: int, phase: WorkerPhase, micro_batches: list[tuple[Any, int]],
-                   timer: StageTimer) -> StepTotals:
+                   timer: StageTimer, digest: int | None = None) -> StepTotals:
         """Forward and backward of one phase's loss on this worker's micro-batches, and the sum of
-        the gradients over the workers; ``round_`` counts phases over the run (the board's turn)."""
+        the gradients over the workers; ``round_`` counts phases over the run (the board's turn),
+        ``digest`` is the source's of the global batch read (compared with the peers' on the board)."""
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
         # barrier that closed the previous phase or step.
         self.reducer.grad_flat.zero_()
@@ -179,7 +186,8 @@ class Replica:
             count += micro_count
         with timer("reduce"):
             changed = self.buffers.changed() if self.rank == 0 else None
-            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed)
+            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed,
+                                      digest)
             self.reducer.reduce()
         totals = self.step_totals(round_, phase.objective)
         if self.rank != 0:
@@ -269,7 +277,7 @@ class Replica:
             self.buffers.adopt()
         keys = self.objective.eval_keys
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
-        error = None
+        error, evaluation = None, self.launch.evaluation
         # Workers evaluate different numbers of chunks: nothing may wait for the others (a gather
         # in evaluation is refused before the run where there are several).
         alone = Gathering() if self.global_workers == 1 else Refusing(
@@ -277,9 +285,8 @@ class Replica:
             "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
         try:
             settings = self.plan.settings
-            for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
-                                                                     settings.eval_batch_size,
-                                                                     settings.max_eval_batches):
+            for batch, samples in evaluation.eval_chunks(self.global_rank, self.global_workers,
+                                                         settings.eval_batch_size, settings.max_eval_batches):
                 beat("eval")
                 batch = in_layout(batch, settings.channels_last)
                 with gathering(alone):
@@ -293,11 +300,15 @@ class Replica:
             error = traceback.format_exc()
             sums[-1] += 1
         beat("sync")
-        self.global_sum(sums)
+        # Each worker digests all it read of the set, its peers' chunks too: equal where all read one order.
+        summed = self.global_sum(torch.cat([sums, digest_terms(evaluation.eval_digest() if error is None else None)]))
+        sums, read = summed[: len(sums)], summed[len(sums) :]
         for module, training in modes:
             module.training = training
         if sums[-1] > 0:
             return {"eval_error": error or "evaluation failed in another worker"}
+        if not one_digest(read):
+            return {"eval_error": different_orders("the workers read different items for the evaluation")}
         result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
         for k, key in enumerate(keys):  # a metric that counted nothing is NaN, as a mean of nothing is
             result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item() if sums[2 * k + 1] > 0 else math.nan

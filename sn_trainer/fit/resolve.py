@@ -19,7 +19,7 @@ from ..checkpoint.files import CheckpointDir
 from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data.sampler import slice_bounds, steps_per_epoch
-from ..data.source import Source, make_source
+from ..data.source import Source, different_orders, make_source
 from ..engine import random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
@@ -28,7 +28,7 @@ from ..engine.objective import GATHERED, MEAN, Objective
 from ..engine.phases import PhaseSpec
 from ..engine.plan import Placement, Plan
 from ..engine.runtime import Runtime
-from ..errors import ConfigError, UserCodeError
+from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
 from . import decide, preflight
@@ -105,6 +105,10 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     if settings.measure_after >= total_steps:
         raise ConfigError(f"measure_after={settings.measure_after} leaves none of the {total_steps} steps to "
                           "measure; lower it or train longer")
+    if placement.global_workers > 1:
+        _check_one_order(train, settings.batch_size * settings.accumulate, settings.seed)
+        if evaluation is not None:
+            _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
     _check_model(model)
     phases = resolve_phases(model, given, objective)
     _check_sendable(given, objective, phases)
@@ -141,6 +145,8 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     objective = _objective(given)
     evaluation = make_source(given.eval_set, "dataset", settings, given.eval_collate_fn,
                              _accepts(objective, given.model, given.eval_collate_fn))
+    if placement.global_workers > 1:
+        _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
     _check_sendable(given, objective, [])
     settings = decide.for_model(settings, given.model)
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
@@ -279,6 +285,31 @@ def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) ->
                                  _accepts(objective, given.model, eval_collate_fn)) \
             if given.eval_set is not None else None
     return train, evaluation
+
+
+# Items of a stream read twice before the start: enough for a shuffle buffer's draws to show,
+# few enough that the launcher's reading stays short whatever the batch.
+_HEAD_ITEMS = 256
+
+
+def _check_one_order(source: Source, count: int, seed: int) -> None:
+    """Refuse a stream whose order follows the random state of the process reading it: its first
+    ``count`` items (at most ``_HEAD_ITEMS``) read twice, from two copies, in the random states
+    workers 0 and 1 start with. The workers prove their orders the same step by step; this
+    catches most such streams (an unseeded shuffle buffer, torch.randperm in __iter__) before any
+    worker starts.
+
+    Raises:
+        DataError: the two reads differ.
+    """
+    count, digests = min(count, _HEAD_ITEMS), set()
+    for rank in (0, 1):
+        with random_state.kept():
+            random_state.seed(seed * 1000 + rank)  # as engine/worker.py seeds worker ``rank``
+            digests.add(source.head_digest(count))
+    if len(digests) > 1:
+        raise DataError(different_orders(f"its first {count} items differed between two reads before any worker "
+                                         "started"))
 
 
 def _check_model(model: nn.Module) -> None:
