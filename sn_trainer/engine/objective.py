@@ -28,6 +28,7 @@ Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or 
 COUNTED = "counted"  # the user's code (or a counted cross-entropy) gives (loss_sum, count)
 MEAN = "mean"  # a per-sample mean: weighed by the slice's samples
 SUM = "sum"  # a sum over the samples: added up, divided by nothing
+LIKE_DDP = "like_ddp"  # no exact split, and split=like_ddp: each slice's loss counts once, as DDP averages ranks
 # A Hugging Face model's mean over the labels it keeps (!= -100), all of them or those of
 # labels[..., 1:] (a causal LM predicts token t+1 at position t). The model sums them when
 # told num_items_in_batch=1; one that ignores it has its logits' cross-entropy summed instead.
@@ -35,7 +36,7 @@ TOKENS, SHIFTED_TOKENS = "tokens", "shifted_tokens"
 TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS = "tokens_from_logits", "shifted_tokens_from_logits"
 TOKEN_FORMS = (TOKENS, SHIFTED_TOKENS, TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_LOGITS)
 SHIFTED = (SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS)
-FORMS = (COUNTED, MEAN, SUM, *TOKEN_FORMS)
+FORMS = (COUNTED, MEAN, SUM, LIKE_DDP, *TOKEN_FORMS)
 IGNORED_LABEL = -100  # Hugging Face's label for "no target here"
 
 
@@ -136,6 +137,8 @@ class Objective:
         loss = _scalar(value, self.what)
         if self.form == SUM:
             return loss, float(samples)
+        if self.form == LIKE_DDP:
+            return loss, 1.0
         if self.form in TOKEN_FORMS:
             return loss, float(kept_labels(batch["labels"], self.form in SHIFTED))
         return loss * samples, float(samples)
