@@ -23,6 +23,7 @@ SHARDS = ("auto", "elements", "tensors", "full")
 START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = ("system", "jemalloc", "tcmalloc")  # the libraries each needs: engine/runtime.py
 OPENMPS = ("gnu", "intel")
+SPLITS = ("exact", "like_ddp")
 
 __all__ = ["CheckpointConfig", "ConfigError", "TrainerConfig", "option", "part", "setting_rows"]
 
@@ -122,6 +123,11 @@ class TrainerConfig:
                                  "tensor at a time, such as Adafactor), `full` (one worker steps the whole optimizer: "
                                  "exact for any, such as Lamb), or `auto` (elements or tensors for the optimizers "
                                  "tests prove so, else full)")
+    split: str = option("exact", "how a scalar loss is split over the workers: `exact` (a per-sample mean, a sum or "
+                                 "(loss_sum, count), weighed exactly; any other loss is refused where the batch is "
+                                 "split) or `like_ddp` (a loss with no exact split, such as a detector's, is weighed "
+                                 "as DDP weighs it: each worker's mean, averaged over the workers; like DDP, not "
+                                 "exact)")
     sync_batchnorm: bool = option(False, "batch norm statistics over the global batch (exact), instead of each "
                                          "worker's slice (like DDP)")
     ema_decay: float | None = option(None, "keep an exponential moving average of the weights (ema = d x ema + (1 - "
@@ -184,6 +190,7 @@ class TrainerConfig:
         require(isinstance(self.comm, str) and bool(self.comm), f"comm must name a reducer, got {self.comm!r}")
         one_of(self.precision, "precision", PRECISIONS)
         one_of(self.shards, "shards", SHARDS)
+        one_of(self.split, "split", SPLITS)
         one_of(self.start_method, "start_method", START_METHODS)
         one_of(self.allocator, "allocator", (*ALLOCATORS, "auto"))
         one_of(self.openmp, "openmp", (*OPENMPS, "auto"))

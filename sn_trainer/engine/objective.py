@@ -31,6 +31,7 @@ Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or 
 COUNTED = "counted"  # the user's code (or a counted cross-entropy) gives (loss_sum, count)
 MEAN = "mean"  # a per-sample mean: weighed by the slice's samples
 SUM = "sum"  # a sum over the samples: added up, divided by nothing
+LIKE_DDP = "like_ddp"  # no exact split, and split=like_ddp: each slice's loss counts once, as DDP averages ranks
 # A Hugging Face model's mean over the labels it keeps (!= -100), all of them or those of
 # labels[..., 1:] (a causal LM predicts token t+1 at position t). The model sums them when
 # told num_items_in_batch=1; one that ignores it has its logits' cross-entropy summed instead.
@@ -40,7 +41,7 @@ TOKEN_FORMS = (TOKENS, SHIFTED_TOKENS, TOKENS_FROM_LOGITS, SHIFTED_TOKENS_FROM_L
 SHIFTED = (SHIFTED_TOKENS, SHIFTED_TOKENS_FROM_LOGITS)
 # A loss over the global batch, computed alike in every worker from what sn_trainer.gather returns.
 GATHERED = "gathered"
-FORMS = (COUNTED, MEAN, SUM, *TOKEN_FORMS, GATHERED)
+FORMS = (COUNTED, MEAN, SUM, LIKE_DDP, *TOKEN_FORMS, GATHERED)
 IGNORED_LABEL = -100  # Hugging Face's label for "no target here"
 
 
@@ -146,6 +147,8 @@ class Objective:
         loss = _scalar(value, self.what)
         if self.form == SUM:
             return loss, float(samples)
+        if self.form == LIKE_DDP:
+            return loss, 1.0
         if self.form in TOKEN_FORMS:
             return loss, float(kept_labels(batch["labels"], self.form in SHIFTED))
         return loss * samples, float(samples)

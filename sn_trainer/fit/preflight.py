@@ -68,10 +68,12 @@ class Rehearsal:
     probe_group: Any = None  # a few samples spread over the data, together, and one by one
     probe_singles: list[Any] = field(default_factory=list)
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
+    splits: bool = True  # the run splits a step's batch (workers or accumulate): how the loss splits matters
 
 
 def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
-            eval_samples: int, objective: Objective, phases: list[PhaseSpec], settings: TrainerConfig) -> Rehearsal:
+            eval_samples: int, objective: Objective, phases: list[PhaseSpec], settings: TrainerConfig,
+            splits: bool = True) -> Rehearsal:
     """Read one training slice of ``train_samples`` from the ``train`` source, one evaluation slice
     of ``eval_samples``, and the samples the loss's form is measured on (each collated as the
     workers will). Whether reading the training slice draws from the global random generators is
@@ -92,7 +94,7 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         probed = train if train is not None else evaluation
         group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
     return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
-                     singles, draws)
+                     singles, draws, splits)
 
 
 def rehearse(s: Rehearsal) -> Findings:
@@ -138,11 +140,20 @@ def rehearse(s: Rehearsal) -> Findings:
 
 
 def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:
+    """How the loss splits; where nothing depends on it (one slice a step) or the user chose
+    split=like_ddp, a probe that fails (a model that squeezes a batch of one) decides nothing."""
     if s.probe_group is None:
         return loss_probe.Finding(MEAN)
-    return _attempt(f"{prefix}measuring how the loss splits over samples (eval mode, one sample at a time)",
-                    lambda: loss_probe.measure(objective, replica, in_layout(s.probe_group, s.settings.channels_last),
-                                               [in_layout(b, s.settings.channels_last) for b in s.probe_singles]))
+    group = in_layout(s.probe_group, s.settings.channels_last)
+    singles = [in_layout(b, s.settings.channels_last) for b in s.probe_singles]
+    if not s.splits or s.settings.split == "like_ddp":
+        try:
+            with random_state.kept():
+                return loss_probe.measure(objective, replica, group, singles)
+        except Exception as exc:  # noqa: BLE001 - the training step itself ran above: this only measures
+            return loss_probe.Finding(None, f"not measured: on one sample at a time it raised {type(exc).__name__}")
+    return _attempt(f"{prefix}measuring how the loss splits over samples (one sample at a time)",
+                    lambda: loss_probe.measure(objective, replica, group, singles))
 
 
 def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],

@@ -24,16 +24,19 @@ from ..engine import random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
 from ..engine.layout import FlatLayout, trainable_parameters
-from ..engine.objective import GATHERED, MEAN, Objective
+from ..engine.objective import GATHERED, LIKE_DDP, MEAN, Objective
 from ..engine.phases import PhaseSpec
 from ..engine.plan import Placement, Plan
 from ..engine.runtime import Runtime
 from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
-from . import decide, preflight
+from . import decide, loss_probe, preflight
 
 log = logging.getLogger(__name__)
+
+# Ignored labels are looked for in the first this many training samples, collated this many at a time.
+LABELS_SCANNED, LABELS_CHUNK = 1024, 64
 
 
 @dataclass(frozen=True)
@@ -113,11 +116,14 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     phases = resolve_phases(model, given, objective)
     _check_sendable(given, objective, phases)
     settings = decide.for_model(settings, model)
+    splits = placement.global_workers * settings.accumulate > 1
     rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
-                                  evaluation, settings.eval_batch_size, objective, phases, settings)
+                                  evaluation, settings.eval_batch_size, objective, phases, settings, splits)
     settings = decide.for_reading(settings, rehearsal.data_draws_random)
     findings = rehearse(rehearsal, settings)
-    _settle_losses(objective, phases, findings, placement.global_workers * settings.accumulate > 1, evaluation)
+    if splits:
+        findings = _labels_seen(findings, train, rehearsal.probe_group, settings)
+    _settle_losses(objective, phases, findings, splits, evaluation, settings.split)
     settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     _check_combinations(settings, placement, train.size)
     _check_gathered(phases, findings, settings, placement, train.size)
@@ -354,18 +360,39 @@ def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSp
             ) from None
 
 
+def _labels_seen(findings: preflight.Findings, train: Source, probe_group: Any,
+                 settings: TrainerConfig) -> preflight.Findings:
+    """The findings, with a per-sample mean measured on a few samples not trusted where the first
+    LABELS_SCANNED samples of the training set, collated in global batches, hold ignored labels:
+    whether the measured samples showed them was chance, the positions read are not."""
+    if not any(found.loss.form == MEAN for found in findings.phases):
+        return findings
+    chunk = min(settings.batch_size, LABELS_CHUNK)
+
+    def batches():
+        yield probe_group
+        for batch, _ in train.eval_chunks(0, 1, chunk, max(1, LABELS_SCANNED // chunk)):
+            yield batch
+
+    with random_state.kept():  # a stream that shuffles itself draws; the run's streams stay as they were
+        seen = [dataclasses.replace(found, loss=loss_probe.labels_seen(found.loss, batches()))
+                for found in findings.phases]
+    return dataclasses.replace(findings, phases=tuple(seen), loss=seen[0].loss if seen else findings.loss)
+
+
 def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: preflight.Findings, splits: bool,
-                   evaluation: Source | None) -> None:
-    """Each phase's loss form (refused where it has no exact split and the run splits it), what
-    evaluation reports, and that a scheduler's monitored metric is among it."""
+                   evaluation: Source | None, split: str = "exact") -> None:
+    """Each phase's loss form (refused where it has no exact split and the run splits it, unless
+    split=like_ddp), what evaluation reports, and that a scheduler's monitored metric is among it."""
     objective.eval_keys = findings.eval_keys
     for phase, found in zip(phases, findings.phases):
-        phase.objective.form = _loss_form(found.loss, phase.objective, splits)
+        phase.objective.form = _loss_form(found.loss, phase.objective, splits, split)
         _check_monitor(found.schedule_monitor, objective.eval_keys, evaluation)
 
 
-def _loss_form(finding, objective: Objective, splits: bool) -> str:
-    """The form a scalar loss is split by; a loss with no exact split is refused where it splits.
+def _loss_form(finding: loss_probe.Finding, objective: Objective, splits: bool, split: str = "exact") -> str:
+    """The form a scalar loss is split by; a loss with no exact split is refused where it splits,
+    or weighed like DDP where the user chose split=like_ddp.
 
     Raises:
         ConfigError: the loss cannot be split exactly, and the run splits it (workers or accumulate).
@@ -374,12 +401,13 @@ def _loss_form(finding, objective: Objective, splits: bool) -> str:
         return finding.form
     if not splits:
         return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
-    raise ConfigError(
-        f"{objective.what} gives a scalar loss that cannot be split over workers exactly: {finding.detail}. Return "
-        "(loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole batch's loss "
-        "divides by, e.g. (F.cross_entropy(logits, targets, ignore_index=-100, reduction=\"sum\"), "
-        "(targets != -100).sum()), or (loss * n, n) for a per-sample mean of n samples (a Hugging Face model needs "
-        "no step_fn: sn_trainer calls it and counts its labels)")
+    if split == "like_ddp":
+        log.warning("%s gives a scalar loss with no exact split (%s); split=like_ddp: each worker's loss is weighed "
+                    "as DDP weighs it (each worker's mean, averaged over the workers): like DDP, not exact",
+                    objective.what, finding.detail)
+        return LIKE_DDP
+    raise ConfigError(f"{objective.what} gives a scalar loss that cannot be split over workers exactly: "
+                      f"{finding.detail}. {finding.advice}")
 
 
 def _check_monitor(monitor: str | None, eval_keys: tuple[str, ...], evaluation: Source | None) -> None:
