@@ -2,10 +2,11 @@
 epoch, at any worker count and across a resume; a resume with another shuffle is refused."""
 import copy
 import functools
+import logging
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from helpers import SmallConvNet, assert_exact, cross_entropy, tiny_dataset
 from sn_trainer import CheckpointError, Trainer
@@ -70,3 +71,28 @@ def test_an_unshuffled_run_resumed_mid_epoch_reads_on_in_index_order(tmp_path):
     result = fit(resumed, 3, resume="latest", checkpoint_dir=str(tmp_path))
     assert [r["step"] for r in result.history if "loss" in r] == [5, 6, 7, 8]  # it went on, not afresh
     assert_exact(resumed, plain_in_order(copy.deepcopy(start), STEPS))
+
+
+class InOrder(IterableDataset):
+    """A stream of a map-style set's items, in index order."""
+
+    def __iter__(self):
+        yield from tiny_dataset(n=N, dtype=torch.float64)
+
+
+def test_a_stream_is_read_in_its_own_order_whatever_shuffle_says(caplog):
+    """shuffle=True (the default) has no meaning for a stream: one line says so, and the run
+    trains as shuffle=False, in the stream's order."""
+    torch.manual_seed(0)
+    start = SmallConvNet().double()
+    models = {}
+    for shuffle in (True, False):
+        models[shuffle] = copy.deepcopy(start)
+        with caplog.at_level(logging.INFO, logger="sn_trainer"):
+            caplog.clear()
+            Trainer(workers=2, batch_size=BATCH, max_steps=3, seed=3, shuffle=shuffle).fit(models[shuffle], InOrder(),
+                                                                                           optimizer=SGD)
+        said = [r.getMessage() for r in caplog.records if "read in its own order" in r.getMessage()]
+        assert len(said) == (1 if shuffle else 0), said
+    assert_exact(models[True], plain_in_order(copy.deepcopy(start), 3))
+    assert_exact(models[False], plain_in_order(copy.deepcopy(start), 3))

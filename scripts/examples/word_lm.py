@@ -12,13 +12,15 @@ clipped to 0.25. The last tenth of the text is held out.
 How the carried state splits over workers: a sample is one column's chunk, so with
 ``shuffle=False`` global batch k is chunk k of every column, and each worker's slice is the
 same columns every step. The state of every column lives in the model as a frozen parameter
-(``carried``): sn_trainer keeps one copy of the model's tensors in shared memory for all
+(``carried``): sn_trainer keeps a frozen parameter as one tensor in shared memory for all
 workers, each worker writes its own columns' state there and reads them back the next step, and
 checkpoints keep it with the weights, so a resume goes on from the state it left. It is held
 twice, by the chunk's parity: chunk k reads slot k % 2 and writes slot (k + 1) % 2, so a worker
 already in the next step never writes what a checkpoint of this one is reading. The step
 function returns ``(loss_sum, count)`` over the chunk's tokens. Evaluation starts every
-held-out window from a zero state (pytorch/examples carries it through the test text too).
+held-out window from a zero state (pytorch/examples carries it through the test text too). It is
+written for one node: across nodes, each node's state lies in its own memory, and a checkpoint
+(node 0's) would hold node 0's columns only.
 """
 from __future__ import annotations
 
