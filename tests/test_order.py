@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from helpers import SmallConvNet, assert_exact, cross_entropy, tiny_dataset
 from sn_trainer import CheckpointError, Trainer
+from sn_trainer.checkpoint.resume import check_same_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +97,11 @@ def test_a_stream_is_read_in_its_own_order_whatever_shuffle_says(caplog):
         assert len(said) == (1 if shuffle else 0), said
     assert_exact(models[True], plain_in_order(copy.deepcopy(start), 3))
     assert_exact(models[False], plain_in_order(copy.deepcopy(start), 3))
+
+
+def test_a_checkpoint_from_before_shuffle_was_recorded_counts_as_shuffled():
+    older = {"run": {"batch_size": BATCH, "accumulate": 1, "seed": 3, "drop_last": True, "dataset_size": N}}
+    order = dict(older["run"], shuffle=True)
+    check_same_run(older, "old.pt", order, None, strict=True)
+    with pytest.raises(CheckpointError, match="written with shuffle True, this run has False"):
+        check_same_run(older, "old.pt", dict(order, shuffle=False), None, strict=True)
