@@ -105,6 +105,8 @@ class TrainerConfig:
     epochs: int = option(8, "passes over the training set (ignored when max_steps is set)")
     max_steps: int | None = option(None, "when set, stop after this many optimizer steps")
     seed: int = option(0, "decides the sample order and each worker's random state")
+    shuffle: bool = option(True, "read a map-style training set in an order drawn anew each epoch from (seed, epoch); "
+                                 "`false`: in index order, every epoch (a stream is read in its own order either way)")
     accumulate: int = option(1, "micro-batches per optimizer step: a step trains on batch_size x accumulate samples")
     drop_last: bool = option(True, "leave out the last, incomplete global batch of each epoch; `false` trains it too, "
                                    "exactly (each worker weighs its real share)")
@@ -160,8 +162,8 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = part(CheckpointConfig, "checkpoints: where, how often, how many")
     resume: str | None = option(None, "continue from a checkpoint: `latest` (in the checkpoint directory), a "
                                       "checkpoint directory, or a file")
-    resume_strict: bool = option(True, "refuse to resume with another batch_size, accumulate, seed, drop_last or "
-                                       "training-set size (`false`: a warning)")
+    resume_strict: bool = option(True, "refuse to resume with another batch_size, accumulate, seed, shuffle, "
+                                       "drop_last or training-set size (`false`: a warning)")
     max_restarts: int = option(0, "when a worker dies or hangs, restart all from the last checkpoint, up to this "
                                   "many times")
     worker_timeout: float = option(300.0, "seconds a worker may go without progress before the run ends, naming it")
@@ -180,7 +182,7 @@ class TrainerConfig:
         for name in ("bucket_kb", "measure_after", "max_restarts"):
             positive_int(getattr(self, name), name, minimum=0)
         require(is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("drop_last", "sync_batchnorm", "resume_strict"):
+        for name in ("shuffle", "drop_last", "sync_batchnorm", "resume_strict"):
             boolean(getattr(self, name), name)
         for name in ("channels_last", "compile", "prefetch"):
             true_false_or_auto(getattr(self, name), name)

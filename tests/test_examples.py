@@ -18,10 +18,13 @@ def run(script, *args):
     return proc.stdout
 
 
-def test_word_level_lstm_language_model():
-    out = run("word_lm.py", "--text", TEXT, "--max-steps", "6", "--emsize", "32")
+def test_word_level_lstm_language_model(tmp_path):
+    args = ("--text", TEXT, "--emsize", "32", "--checkpoint-dir", str(tmp_path))
+    out = run("word_lm.py", *args, "--max-steps", "6")
     perplexity = float(re.search(r"perplexity ([\d.]+)", out).group(1))
     assert 1 < perplexity < 2000  # a vocabulary of ~1000 words: better than uniform after a few steps
+    resumed = run("word_lm.py", *args, "--max-steps", "8", "--resume", "latest")  # the carried state goes on
+    assert re.search(r"perplexity ([\d.]+)", resumed)
 
 
 def test_vae_on_fashion_mnist():

@@ -186,6 +186,7 @@ def test_a_resume_with_more_epochs_follows_the_longer_schedule(tmp_path):
     (dict(batch_size=6), "written with batch_size 12, this run has 6"),
     (dict(accumulate=2), "written with accumulate 1, this run has 2"),
     (dict(seed=4), "written with seed 3, this run has 4"),
+    (dict(shuffle=False), "written with shuffle True, this run has False"),
 ])
 def test_a_resume_that_would_shift_the_sample_order_is_refused(tmp_path, change, message):
     settings = dict(workers=2, batch_size=12, max_steps=2, seed=3, checkpoint_dir=str(tmp_path))

@@ -3,7 +3,7 @@
 A checkpoint holds the model's state_dict, the optimizer's state per parameter name (as one
 process's optimizer would hold it, so a run may resume with another worker count), the step
 reached, every worker's random state, the sample order a resume must agree with (batch size,
-accumulate, seed, drop_last, training-set size), the resolved config and a format version.
+accumulate, seed, shuffle, drop_last, training-set size), the resolved config and a format version.
 """
 from __future__ import annotations
 

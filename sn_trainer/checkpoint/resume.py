@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 # The settings that decide which samples each step trains on: a resume must agree with them (and
 # with the training set's size), or the steps it trains are not the steps the run would have.
-SAMPLE_ORDER = ("batch_size", "accumulate", "seed", "drop_last")
+SAMPLE_ORDER = ("batch_size", "accumulate", "seed", "shuffle", "drop_last")
+# What a checkpoint written before a setting was recorded ran with.
+RECORDED_LATER = {"shuffle": True}
 
 
 def sample_order(settings: TrainerConfig, dataset_size: int | None) -> dict[str, Any]:
@@ -155,7 +157,7 @@ def check_same_run(saved: dict[str, Any], path, order: dict[str, Any], run_confi
                 raise CheckpointError(f"{path} was written for {section}={theirs}, this run has {section}={mine}; "
                                       f"resume with {section}={theirs} or start afresh without resume")
     for key, mine in order.items():
-        theirs = (saved.get("run") or {}).get(key)
+        theirs = (saved.get("run") or {}).get(key, RECORDED_LATER.get(key))
         if theirs is not None and theirs != mine:
             what = "training-set size" if key == "dataset_size" else key
             message = (f"{path} was written with {what} {theirs}, this run has {mine}: the samples of each "

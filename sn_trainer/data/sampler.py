@@ -28,24 +28,30 @@ def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int, drop_las
 class GlobalBatches:
     """Which samples form micro-batch ``micro`` of optimizer step ``step`` of ``epoch``.
 
+    Each epoch's order is ``epoch_order`` of (seed, epoch), or, without ``shuffle``, the indices
+    in order: neither depends on the worker count, so a resume with another one reads on alike.
+
     An optimizer step consumes ``accumulate`` consecutive micro-batches of ``batch_size``
     samples, so ``accumulate=k`` with batch B/k covers the same samples as B with k=1. With
     ``drop_last`` the last incomplete step of an epoch is left out; without, it trains on what
     is left (its micro-batches may be short, or empty).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, accumulate: int, seed: int, drop_last: bool = True):
+    def __init__(self, num_samples: int, batch_size: int, accumulate: int, seed: int, drop_last: bool = True,
+                 shuffle: bool = True):
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.accumulate = accumulate
         self.seed = seed
+        self.shuffle = shuffle
         self.steps_per_epoch = steps_per_epoch(num_samples, batch_size, accumulate, drop_last)
         self._epoch = -1
         self._order = torch.empty(0, dtype=torch.long)
 
     def indices(self, epoch: int, step: int, micro: int) -> torch.Tensor:
         if epoch != self._epoch:
-            self._order = epoch_order(self.num_samples, self.seed, epoch)
+            self._order = (epoch_order(self.num_samples, self.seed, epoch) if self.shuffle
+                           else torch.arange(self.num_samples))
             self._epoch = epoch
         start = (step * self.accumulate + micro) * self.batch_size
         return self._order[start : start + self.batch_size]

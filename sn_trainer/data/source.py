@@ -5,7 +5,8 @@ Every source follows the ``Source`` protocol below, and ``SOURCES`` lists them: 
 reads a dataset reads it (a new kind of data is one class here, added to that list). Two:
 
 - ``IndexSource``: a map-style dataset (``__len__``, ``__getitem__``), read by index in an order
-  drawn from (seed, epoch), as a DataLoader with a seeded RandomSampler reads it.
+  drawn from (seed, epoch), as a DataLoader with a seeded RandomSampler reads it (with
+  ``shuffle=False``: in index order, as a DataLoader with ``shuffle=False``).
 - ``StreamSource``: an ``IterableDataset``, read in order. Micro-batch j is items [jB, (j+1)B) of
   the stream, as a DataLoader with ``batch_size=B`` batches it. A stream with a length is read
   afresh each epoch; one without is one sequence (when a pass ends, the next begins, and a batch
@@ -110,7 +111,8 @@ class _EpochTeller:
 
 
 class IndexSource:
-    """A map-style dataset: step k's samples are positions [kB, (k+1)B) of the epoch's order."""
+    """A map-style dataset: step k's samples are positions [kB, (k+1)B) of the epoch's order (the
+    indices themselves, with shuffle=False)."""
 
     kind = "map-style"
 
@@ -135,7 +137,7 @@ class IndexSource:
     def micro_slice(self, step: int, micro: int, rank: int, world: int) -> tuple[Any, int]:
         if self._batches is None:
             s = self.settings
-            self._batches = GlobalBatches(self.size, s.batch_size, s.accumulate, s.seed, s.drop_last)
+            self._batches = GlobalBatches(self.size, s.batch_size, s.accumulate, s.seed, s.drop_last, s.shuffle)
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         indices = self._batches.indices(epoch, in_epoch, micro)
         start, stop = slice_bounds(len(indices), world, rank)
@@ -177,7 +179,7 @@ class IndexSource:
         share_dataset(self.dataset)
 
     def position(self, step: int) -> dict[str, int] | None:
-        return None  # the order follows from (seed, epoch): the step says where a resume goes on
+        return None  # the order follows from (seed, epoch, shuffle): the step says where a resume goes on
 
     def resume_at(self, position: dict[str, int] | None, step: int) -> None:
         pass

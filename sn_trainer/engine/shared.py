@@ -16,7 +16,9 @@ class SharedParams:
 
     Created in the launching process from the caller's model, whose parameters are re-pointed
     at the flat tensor so that sending the model to a worker sends a handle, not a copy.
-    Buffers (e.g. batch-norm statistics) are moved to shared memory in place.
+    Buffers (e.g. batch-norm statistics) and frozen parameters are moved to shared memory in
+    place: a frozen parameter is one tensor for all workers (what a step writes into it in place,
+    such as a recurrent state it carries, every worker and the checkpoint see).
     """
 
     def __init__(self, model: nn.Module, layout: FlatLayout, ema: bool = False,
@@ -34,6 +36,9 @@ class SharedParams:
         layout.bind(model, self.flat, copy_values=True)
         for buf in model.buffers():
             buf.share_memory_()
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.share_memory_()
         # The moving average of the parameters, laid out as they are (each worker averages its shard):
         # from the parameters themselves, or from where a checkpoint left it.
         self.ema = self.flat.clone().share_memory_() if ema else None

@@ -290,6 +290,10 @@ def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) ->
         evaluation = make_source(given.eval_set, "eval_set", settings, eval_collate_fn,
                                  _accepts(objective, given.model, eval_collate_fn)) \
             if given.eval_set is not None else None
+    if train.kind == "stream" and settings.shuffle:
+        # Said, not refused: shuffle's default is true, and a stream has one order, its own.
+        log.info("train_set is a stream: it is read in its own order (shuffle reorders map-style sets only; a "
+                 "stream that should be reordered each pass does so itself, told the pass by set_epoch)")
     return train, evaluation
 
 
