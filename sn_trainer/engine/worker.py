@@ -1,6 +1,8 @@
 """One worker process's life: set itself up, then train its share of every global batch (or evaluate)."""
 from __future__ import annotations
 
+import glob
+
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ class CpuClock:
 
     def start(self) -> None:
         self._own, self._machine = self._read()
+        self._queued = _run_queue_seconds()
 
     def stop(self) -> dict[str, float]:
         if not hasattr(self, "_own"):
@@ -44,12 +47,25 @@ class CpuClock:
         # Linux counts guest time inside user and nice as well: summed again, it would count twice.
         busy = {k: machine[k] - self._machine[k] for k in machine if k not in ("guest", "guest_nice")}
         return {"own": own - self._own, "machine_busy": sum(v for k, v in busy.items() if k not in ("idle", "iowait")),
-                "machine_total": sum(busy.values())}
+                "machine_total": sum(busy.values()), "run_queue": _run_queue_seconds() - self._queued}
 
     @staticmethod
     def _read() -> tuple[float, dict[str, float]]:
         mine = psutil.Process().cpu_times()
         return mine.user + mine.system, psutil.cpu_times()._asdict()
+
+
+def _run_queue_seconds() -> float:
+    """Seconds this process's threads were ready to run while their CPU ran something else (the
+    kernel's schedstat): what a busy machine cost this worker; 0 where the kernel does not say."""
+    total = 0
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
