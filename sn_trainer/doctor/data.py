@@ -107,7 +107,8 @@ def _verdict(facts: RunFacts, read_ms: float | None, decode_ms: float, dataset: 
     seconds, pwb = facts.stage_seconds, facts.get("per_worker_batch")
     if not seconds or not pwb:
         return not_visible("what bounds the data", "the run's stage seconds are not recorded")
-    compute_ms = 1000 * sum(v for k, v in seconds.items() if k != "data") / facts.steps / pwb
+    # The model's own work only: the sum and the barriers are waiting, which the data does not shorten.
+    compute_ms = 1000 * sum(seconds[k] for k in ("forward", "backward", "update")) / facts.steps / pwb
     parts = {"the disk": read_ms, "decoding and augmentation": decode_ms, "the model's compute": compute_ms}
     parts = {k: v for k, v in parts.items() if v is not None}
     bound = max(parts, key=parts.get)

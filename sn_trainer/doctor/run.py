@@ -95,9 +95,9 @@ def busy_machine(facts: RunFacts) -> Finding:
         worst = queued.index(seconds)
         pinning = facts.plan.get("pinning") or []
         on = f" on CPU {','.join(map(str, pinning[worst]))}" if worst < len(pinning) else ""
-        train = facts.get("train_seconds") or 0.0
-        share = f" ({100 * seconds / train:.0f}% of the run)" if train else ""
-        evidence += f"; worker {worst}{on} waited {seconds:.3g} s{share} for its CPU while another process ran"
+        # The clock runs over the measured steps and the evaluations made among and after them.
+        evidence += (f"; worker {worst}{on} waited {seconds:.3g} s for its CPU while another process ran (over "
+                     f"the {facts.get('train_seconds') or 0:.3g} s of measured steps and the evaluations)")
     if other <= BUSY_PERCENT:
         return Finding("other processes' CPU", evidence)
     return Finding("other processes' CPU", evidence + ": the figures below are a busy machine's",

@@ -1,8 +1,6 @@
 """One worker process's life: set itself up, then train its share of every global batch (or evaluate)."""
 from __future__ import annotations
 
-import glob
-
 import os
 import time
 from collections.abc import Callable
@@ -56,16 +54,13 @@ class CpuClock:
 
 
 def _run_queue_seconds() -> float:
-    """Seconds this process's threads were ready to run while their CPU ran something else (the
-    kernel's schedstat): what a busy machine cost this worker; 0 where the kernel does not say."""
-    total = 0
-    for path in glob.glob("/proc/self/task/*/schedstat"):
-        try:
-            with open(path) as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / 1e9
+    """Seconds the calling thread (the training loop's) was ready to run while its CPU ran something
+    else (the kernel's schedstat): what a busy machine cost this worker; 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
