@@ -9,12 +9,13 @@ from .errors import (CheckpointError, ConfigError, DataError, InputError, Traini
 
 __all__ = ["BestCheckpoint", "Callback", "CheckpointConfig", "CheckpointError", "Cluster", "ConfigError", "DataError",
            "EarlyStopping", "FitResult", "InputError", "Phase", "Trainer", "TrainerConfig", "TrainingDiverged",
-           "TrainingInterrupted", "UserCodeError", "WorkerFailed", "gather", "warm_up"]
+           "TrainingInterrupted", "UserCodeError", "WorkerFailed", "diagnose", "gather", "warm_up"]
 __version__ = "0.3.0"
 
 _LAZY = {"Trainer": ".trainer", "FitResult": ".fit.result", "TrainerConfig": ".config", "CheckpointConfig": ".config",
          "Cluster": ".engine.cluster", "Callback": ".callbacks", "EarlyStopping": ".callbacks",
-         "BestCheckpoint": ".callbacks", "Phase": ".phase", "gather": ".engine.gather"}
+         "BestCheckpoint": ".callbacks", "Phase": ".phase", "gather": ".engine.gather",
+         "diagnose": ".doctor"}
 
 
 def __getattr__(name: str):

@@ -21,6 +21,7 @@ LAYERS = {
     "callbacks": 3, "checkpoint": 3, "export": 3, "tuner": 3,  # the launcher's components
     "report": 4,  # writers the command line attaches (progress, TensorBoard, MLflow) and the sweep report
     "fit": 5,  # one fit: resolve, session, result
+    "doctor": 5,  # reads what a fit returned or a run's folder holds, against the seeds' tables
     "trainer": 6,  # the public API
     "cli": 7, "__main__": 7, "__init__": 7,  # the command line, and the package's lazy names
 }

@@ -36,6 +36,7 @@ class CpuClock:
 
     def start(self) -> None:
         self._own, self._machine = self._read()
+        self._queued = _run_queue_seconds()
 
     def stop(self) -> dict[str, float]:
         if not hasattr(self, "_own"):
@@ -44,12 +45,22 @@ class CpuClock:
         # Linux counts guest time inside user and nice as well: summed again, it would count twice.
         busy = {k: machine[k] - self._machine[k] for k in machine if k not in ("guest", "guest_nice")}
         return {"own": own - self._own, "machine_busy": sum(v for k, v in busy.items() if k not in ("idle", "iowait")),
-                "machine_total": sum(busy.values())}
+                "machine_total": sum(busy.values()), "run_queue": _run_queue_seconds() - self._queued}
 
     @staticmethod
     def _read() -> tuple[float, dict[str, float]]:
         mine = psutil.Process().cpu_times()
         return mine.user + mine.system, psutil.cpu_times()._asdict()
+
+
+def _run_queue_seconds() -> float:
+    """Seconds the calling thread (the training loop's) was ready to run while its CPU ran something
+    else (the kernel's schedstat): what a busy machine cost this worker; 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:

@@ -50,6 +50,10 @@ class FitResult:
     stopped_early: int | None = None  # a callback stopped the run after this step (trainer.should_stop)
     ema_state_dict: dict[str, Any] | None = None  # with ema_decay: the model's state_dict, averaged weights
     compile_seconds: float | None = None  # with compile: the first step's time beyond a measured step's (compiling)
+    # Each worker's own stage seconds (this node's): how long the others waited for the slowest one.
+    stage_seconds_per_worker: list[dict[str, float]] = field(default_factory=list)
+    # Each worker's seconds ready to run while other processes held its CPU (a busy machine's cost).
+    run_queue_seconds: list[float] = field(default_factory=list)
 
     @property
     def workers(self) -> int:
@@ -137,7 +141,9 @@ def fit_result(outcome: Outcome, history: list[dict[str, Any]], last_saved: Path
         last_checkpoint=str(last_saved) if last_saved else None, other_cpu_percent=other,
         plan=plan.summary(lead.reducer, data), stopped_early=lead.stopped_at, ema_state_dict=outcome.ema_state_dict,
         compile_seconds=max(0.0, lead.first_step_seconds - lead.train_seconds / lead.measured_steps)
-        if plan.settings.compile and lead.measured_steps else None)
+        if plan.settings.compile and lead.measured_steps else None,
+        stage_seconds_per_worker=[dict(r.stage_seconds) for r in results],
+        run_queue_seconds=[(r.cpu_seconds or {}).get("run_queue", 0.0) for r in results])
 
 
 def other_cpu_percent(results: list[WorkerResult], launcher_cpu: float) -> float | None:
