@@ -58,7 +58,11 @@ def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     ([*TINY, "model.name=lenet5"], "error: unknown model 'lenet5'; choose one of lenet, cifar10_quick, "),
     ([*TINY, "optim.lr=-1"], "error: optim.lr must be > 0, got -1"),
     (["dataset=mnist", "dataset.root=/nonexistent"], "error: mnist not found. Provide it one of three ways"),
-    ([*TINY, "+batchsize=3"], "error: unknown setting batchsize; valid ones:"),
+    ([*TINY, "+batchsize=3"], "error: unknown setting batchsize; did you mean batch_size? (every key: "),
+    ([*TINY, "batchsize=3"], "error: unknown setting batchsize; did you mean batch_size? (every key: "),  # no Hydra +
+    ([*TINY, "--multirun", "optim.momentm=0.5,0.9"], "error: unknown setting optim.momentm; did you mean optim.mom"),
+    ([*TINY, "optim.momentum=abc"], "error: optim.momentum must be a number, got 'abc'"),
+    ([*TINY, "dataset.num_classes=abc"], "error: dataset.num_classes must be an integer, got 'abc'"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     proc = sn_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
@@ -80,7 +84,8 @@ def test_an_image_file_nothing_decodes_is_one_line_naming_it(tmp_path, bad):
         for cls in ("a", "b"):
             (root / split / cls).mkdir(parents=True)
             for i in range(4):
-                Image.new("RGB", (10, 10), (60 * i, 90, 200 if cls == "a" else 20)).save(root / split / cls / f"{i}.jpg")
+                colour = (60 * i, 90, 200 if cls == "a" else 20)
+                Image.new("RGB", (10, 10), colour).save(root / split / cls / f"{i}.jpg")
     Image.new("RGB", (10, 10), (1, 2, 3)).save(root / "train" / "a" / "png-named.jpg", format="PNG")
     (root / bad).write_bytes(b"\xff\xd8\xff\xe0 and then nothing a decoder reads")
     proc = sn_train(["dataset=folder", f"dataset.root={root}", "dataset.image_size=8", "model=mlp", "batch_size=4",

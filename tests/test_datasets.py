@@ -158,15 +158,16 @@ def test_folder_images_are_decoded_by_content_and_a_bad_one_is_named(tmp_path):
     assert torch.equal(by_name["png-named.jpg"], torch.from_numpy(pixels["png"]).permute(2, 0, 1))  # lossless
     with Image.open(tmp_path / "train" / "a" / "jpeg-named.png") as jpeg:
         assert torch.equal(by_name["jpeg-named.png"], torch.from_numpy(np.array(jpeg.convert("RGB"))).permute(2, 0, 1))
-    assert load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16)).train[1][0].shape == (3, 16, 16)
+    per_sample = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16))
+    assert per_sample.train[1][0].shape == (3, 16, 16)  # read where it lies, by a worker
 
     good = (tmp_path / "train" / "a" / "jpeg-named.png").read_bytes()
     for name, content in (("truncated.jpg", good[: len(good) // 2]), ("junk.png", b"not an image")):
         bad = tmp_path / "test" / "a" / name
         bad.write_bytes(content)
         for preload in (True, False):
-            with pytest.raises(DataError, match=rf"^{re.escape(str(bad))}: not an image that torchvision or Pillow can decode "
-                                                r"\(.+\); replace the file with a readable image, or remove it"):
+            with pytest.raises(DataError, match=rf"^{re.escape(str(bad))}: not an image that torchvision or Pillow can "
+                                                r"decode \(.+\); replace the file with a readable image, or remove it"):
                 split = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16, preload=preload))
                 [split.test[i] for i in range(len(split.test))]  # read per sample: a worker reads it so
         bad.unlink()

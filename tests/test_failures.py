@@ -118,6 +118,7 @@ class ModelWithALock(SmallConvNet):
     (dict(reduce="broadcast"), "reduce must be one of all_reduce, reduce_scatter"),
     (dict(accumulate=0), "accumulate must be >= 1"),
     (dict(epochs=0), "epochs must be >= 1"),
+    (dict(clip_grad_norm="abc"), "^clip_grad_norm must be > 0 or null, got 'abc'$"),
 ])
 def test_bad_settings_are_refused_up_front(settings, message):
     with pytest.raises(ConfigError, match=message):
