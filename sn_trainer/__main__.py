@@ -89,7 +89,8 @@ def _misspelt_key(args: list[str]) -> Exception | None:
 def _groups() -> dict[str, list[str]]:
     conf = Path(__file__).with_name("conf")
     groups = [group for group in sorted(conf.iterdir()) if group.is_dir() and group.name != "hydra"]
-    groups += sorted(p for p in (conf / "hydra").iterdir() if p.is_dir())  # hydra/launcher: Hydra's own groups
+    if (conf / "hydra").is_dir():  # hydra/launcher: Hydra's own groups (an installed wheel may ship none)
+        groups += sorted(p for p in (conf / "hydra").iterdir() if p.is_dir())
     return {group.relative_to(conf).as_posix(): sorted(p.stem for p in group.glob("*.yaml")) for group in groups}
 
 
