@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from PIL import Image
+
 TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=16", "batch_size=16", "workers=2"]
 
 
@@ -44,6 +46,11 @@ def main() -> None:
                      "t10k-labels-idx1-ubyte"):
             (junk / f"{name}.gz").write_bytes(gzip.compress(b"this is not IDX data"))
         (root / "a-file").write_text("")
+        for cls in ("a", "b"):  # a folder of images, one of them a JPEG in name only
+            (root / "images" / cls).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (10, 10), (60 * i, 90, 20)).save(root / "images" / cls / f"{i}.jpg")
+        (root / "images" / "b" / "3.jpg").write_bytes(b"\xff\xd8\xff not a whole JPEG")
         cases = [
             ("a truncated checkpoint", [*TINY, f"resume={truncated}"]),
             ("a checkpoint that would run code", [*TINY, f"resume={evil}"]),
@@ -52,6 +59,8 @@ def main() -> None:
             ("a checkpoint that does not exist", [*TINY, "resume=/nonexistent/step-1.pt"]),
             ("wrong-format data files", ["dataset=mnist", f"dataset.root={junk}"]),
             ("a missing data directory", ["dataset=cifar10", "dataset.root=/nonexistent"]),
+            ("an image file nothing decodes", ["dataset=folder", f"dataset.root={root / 'images'}", "model=mlp",
+                                               "dataset.image_size=8", "batch_size=4", "workers=2", "max_steps=1"]),
             ("a checkpoint directory that cannot be written", [*TINY, f"checkpoint.dir={root / 'a-file' / 'x'}"]),
             ("batch_size < workers", [*TINY, "batch_size=1"]),
             ("workers < 1", [*TINY, "workers=0"]),
@@ -62,7 +71,8 @@ def main() -> None:
             ("an unknown dataset name", ["dataset.name=imagenet"]),
             ("a text dataset without a path", ["dataset=text", "model=gpt"]),
             ("a GPT on images", [*TINY, "model=gpt"]),
-            ("an unknown setting", [*TINY, "+batchsize=3"]),
+            ("an unknown setting", [*TINY, "batchsize=3"]),
+            ("a number given as text", [*TINY, "optim.momentum=abc"]),
             ("an unknown config group option", [*TINY, "model=lenet5"]),
             ("workers x threads > cores (warning, runs)", [*TINY, "workers=2", "threads=4", "max_steps=1"]),
         ]

@@ -46,6 +46,9 @@ def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         print(help_text(_groups()))
         return
+    misspelt = _misspelt_key(sys.argv[1:])
+    if misspelt is not None:
+        _exit(2, f"error: {misspelt}")
     if not any(arg.startswith(("start_method=", "allocator=", "openmp="))
                and not arg.endswith(("=forkserver", "=system", "=gnu")) for arg in sys.argv[1:]):
         # The warm workers' server imports torch now, while this process imports it too; a run
@@ -60,10 +63,34 @@ def main() -> None:
     forkserver.leave(0)
 
 
+def _misspelt_key(args: list[str]) -> Exception | None:
+    """The error for the first override of a key no setting has. Hydra answers ``batchsize=3``
+    with advice to write ``+batchsize=3``, which then fails again; this names the nearest key."""
+    if any(arg.startswith(("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")) for arg in args):
+        return None  # a config of the user's own may have groups of its own
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .cli.config import option_rows, unknown_setting
+
+    known = {row[0] for row in option_rows()} | set(_groups())
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            continue  # a flag of Hydra's, or its value
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # noqa: BLE001 - a malformed override: Hydra says what is wrong with it
+            continue
+        if not (override.is_hydra_override() or override.package is not None or override.key_or_group in known):
+            return unknown_setting(override.key_or_group)
+    return None
+
+
 def _groups() -> dict[str, list[str]]:
     conf = Path(__file__).with_name("conf")
     groups = [group for group in sorted(conf.iterdir()) if group.is_dir() and group.name != "hydra"]
-    groups += sorted(p for p in (conf / "hydra").iterdir() if p.is_dir())  # hydra/launcher: Hydra's own groups
+    if (conf / "hydra").is_dir():  # hydra/launcher: Hydra's own groups (an installed wheel may ship none)
+        groups += sorted(p for p in (conf / "hydra").iterdir() if p.is_dir())
     return {group.relative_to(conf).as_posix(): sorted(p.stem for p in group.glob("*.yaml")) for group in groups}
 
 

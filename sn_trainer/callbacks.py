@@ -186,32 +186,55 @@ def in_notebook() -> bool:
 
 
 class NotebookBar(Callback):
-    """In a notebook, fit's progress: tqdm's notebook bar over the steps, with the loss, samples/s
-    and the last evaluation (fit adds it when it runs in a Jupyter kernel)."""
+    """In a notebook, fit's progress: tqdm's notebook bar over the steps, with the training loss,
+    samples/s and the last evaluation (as eval_loss, eval_accuracy: never in the training loss's
+    place); fit adds it when it runs in a Jupyter kernel."""
 
     observes_only = True
 
     def __init__(self):
-        self._bar, self._step, self._shown = None, 0, {}
+        self._bar, self._display, self._step, self._shown = None, None, 0, {}
 
     def on_fit_start(self, trainer, plan) -> None:
-        from tqdm.auto import tqdm  # the notebook bar in a kernel with ipywidgets, else text
+        from tqdm.auto import tqdm  # the notebook bar in a kernel with ipywidgets, else text on stderr
+        from tqdm.notebook import tqdm as widget_bar
 
-        self._bar = tqdm(total=plan.total_steps, unit="step", desc="sn_trainer")
+        if issubclass(tqdm, widget_bar):
+            from IPython.display import display
+
+            # A widget's text form is what it was when shown: a front-end that shows text (a saved
+            # notebook, nbconvert, no widget support) would keep 0/N. Shown under a display id that
+            # every update renews, its text advances with the widget.
+            self._bar = tqdm(total=plan.total_steps, unit="step", desc="sn_trainer", display=False)
+            self._display = display(self._bundle(), raw=True, display_id=True)
+        else:
+            self._bar = tqdm(total=plan.total_steps, unit="step", desc="sn_trainer")
 
     def on_step_end(self, trainer, record: Progress) -> None:
         self._bar.update(record.step - self._step)
         self._step = record.step
         self._shown.update(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_sec:.0f}")
-        self._bar.set_postfix(self._shown)
+        self._show()
 
     def on_eval_end(self, trainer, evaluation: Evaluation) -> None:
-        self._shown.update({k[5:]: f"{v:.4f}" for k, v in evaluation.metrics.items()
+        self._shown.update({k: f"{v:.4f}" for k, v in evaluation.metrics.items()
                             if k in ("eval_loss", "eval_accuracy")})
-        self._bar.set_postfix(self._shown)
+        self._show()
 
     def on_fit_end(self, trainer, result) -> None:
         self._bar.close()
+        self._show(postfix=False)
+
+    def _show(self, postfix: bool = True) -> None:
+        if postfix:
+            self._bar.set_postfix(self._shown)
+        if self._display is not None:
+            self._display.update(self._bundle(), raw=True)
+
+    def _bundle(self) -> dict[str, Any]:
+        """The widget, and its text whole (ipywidgets cuts a widget's text at 110 characters)."""
+        container = self._bar.container
+        return {**container._repr_mimebundle_(), "text/plain": repr(container)}
 
 
 class Monitor(Callback):

@@ -186,7 +186,8 @@ class TrainerConfig:
             boolean(getattr(self, name), name)
         for name in ("channels_last", "compile", "prefetch"):
             true_false_or_auto(getattr(self, name), name)
-        require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
+        clip = self.clip_grad_norm
+        require(clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0),
                 f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}")
         # comm names a reducer: the registry of reducers (engine/comm.py) knows them; the placement checks it.
         require(isinstance(self.comm, str) and bool(self.comm), f"comm must name a reducer, got {self.comm!r}")

@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -57,13 +58,43 @@ def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     ([*TINY, "model.name=lenet5"], "error: unknown model 'lenet5'; choose one of lenet, cifar10_quick, "),
     ([*TINY, "optim.lr=-1"], "error: optim.lr must be > 0, got -1"),
     (["dataset=mnist", "dataset.root=/nonexistent"], "error: mnist not found. Provide it one of three ways"),
-    ([*TINY, "+batchsize=3"], "error: unknown setting batchsize; valid ones:"),
+    ([*TINY, "+batchsize=3"], "error: unknown setting batchsize; did you mean batch_size? (every key: "),
+    ([*TINY, "batchsize=3"], "error: unknown setting batchsize; did you mean batch_size? (every key: "),  # no Hydra +
+    ([*TINY, "--multirun", "optim.momentm=0.5,0.9"], "error: unknown setting optim.momentm; did you mean optim.mom"),
+    ([*TINY, "optim.momentum=abc"], "error: optim.momentum must be a number, got 'abc'"),
+    ([*TINY, "dataset.num_classes=abc"], "error: dataset.num_classes must be an integer, got 'abc'"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     proc = sn_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and error_lines[0].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("bad", ["train/b/3.jpg", "test/a/1.jpg"])
+def test_an_image_file_nothing_decodes_is_one_line_naming_it(tmp_path, bad):
+    """A PNG named .jpg is read (as ImageFolder reads it); a file neither torchvision nor Pillow
+    decodes is named in one line, whether the launcher reads it (the training set's statistics) or
+    a worker does (the first evaluation batch)."""
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(4):
+                colour = (60 * i, 90, 200 if cls == "a" else 20)
+                Image.new("RGB", (10, 10), colour).save(root / split / cls / f"{i}.jpg")
+    Image.new("RGB", (10, 10), (1, 2, 3)).save(root / "train" / "a" / "png-named.jpg", format="PNG")
+    (root / bad).write_bytes(b"\xff\xd8\xff\xe0 and then nothing a decoder reads")
+    proc = sn_train(["dataset=folder", f"dataset.root={root}", "dataset.image_size=8", "model=mlp", "batch_size=4",
+                     "workers=2", "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and re.fullmatch(
+        rf"error: {re.escape(str(root / bad))}: not an image that torchvision or Pillow can decode \(\w[^)]*\); "
+        "replace the file with a readable image, or remove it from the folder", error_lines[0]), proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -7,9 +7,21 @@ from sn_trainer.cli.config import OptimConfig
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"batchsize": 3}, "unknown setting batchsize; valid ones: accumulate, allocator, batch_size"),
-    ({"model": {"nme": "x"}}, "unknown setting model.nme; valid ones: model.bias, model.dropout, model.hidden, "
-                              "model.n_embd, model.n_head, model.n_layer, model.name"),
+    ({"batchsize": 3}, r"^unknown setting batchsize; did you mean batch_size\? \(every key: python -m sn_trainer "
+                       r"--help\)$"),
+    ({"model": {"nme": "x"}}, r"^unknown setting model.nme; did you mean model.name\?"),
+    ({"chekpoint": {"dir": "x"}}, r"^unknown setting chekpoint.dir; did you mean checkpoint.dir\?"),
+    ({"zzz": 3}, "^unknown setting zzz; valid ones: accumulate, allocator, batch_size"),
+    ({"model": {"zzzzz": "x"}}, "^unknown setting model.zzzzz; valid ones: model.bias, model.dropout, model.hidden, "
+                                "model.n_embd, model.n_head, model.n_layer, model.name$"),
+    ({"optim": {"momentum": "abc"}}, "^optim.momentum must be a number, got 'abc'$"),
+    ({"optim": {"weight_decay": "abc"}}, "^optim.weight_decay must be a number, got 'abc'$"),
+    ({"optim": {"gamma": "abc"}}, "^optim.gamma must be a number, got 'abc'$"),
+    ({"optim": {"betas": [0.9, "x"]}}, r"^optim.betas must be a list of numbers, got \[0.9, 'x'\]$"),
+    ({"clip_grad_norm": "abc"}, "^clip_grad_norm must be a number or null, got 'abc'$"),
+    ({"dataset": {"num_classes": "abc"}}, "^dataset.num_classes must be an integer, got 'abc'$"),
+    ({"dataset": {"augment": "yes"}}, "^dataset.augment must be true, false or null, got 'yes'$"),
+    ({"checkpoint": {"keep": 2.5}}, "^checkpoint.keep must be an integer, got 2.5$"),
     ({"optim": {"name": "lion"}}, "unknown optimizer 'lion'; choose one of sgd, adamw"),
     ({"optim": {"lr": 0}}, "optim.lr must be > 0, got 0"),
     ({"optim": {"lr": -0.1}}, "optim.lr must be > 0"),

@@ -1,6 +1,7 @@
 """Every dataset loader, on small files written here in the real formats."""
 import gzip
 import pickle
+import re
 import struct
 
 import numpy as np
@@ -139,6 +140,37 @@ def test_folder_of_pngs(tmp_path):
             mine, theirs = getattr(files, split)[i], getattr(data, split)[i]
             torch.testing.assert_close(mine[0], theirs[0], rtol=1e-6, atol=1e-5)
             assert mine[1] == theirs[1]
+
+
+def test_folder_images_are_decoded_by_content_and_a_bad_one_is_named(tmp_path):
+    """A PNG named .jpg and a JPEG named .png read as ImageFolder (Pillow) reads them; a file
+    nothing decodes is a DataError naming it, from the reading up front and from a worker's."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = {name: rng.integers(0, 256, (16, 16, 3), dtype=np.uint8) for name in ("png", "jpeg")}
+    for split in ("train", "test"):
+        (tmp_path / split / "a").mkdir(parents=True)
+        Image.fromarray(pixels["png"]).save(tmp_path / split / "a" / "png-named.jpg", format="PNG")
+        Image.fromarray(pixels["jpeg"]).save(tmp_path / split / "a" / "jpeg-named.png", format="JPEG")
+    data = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16, preload=True))
+    by_name = dict(zip(["jpeg-named.png", "png-named.jpg"], data.train.images))  # sorted by file name
+    assert torch.equal(by_name["png-named.jpg"], torch.from_numpy(pixels["png"]).permute(2, 0, 1))  # lossless
+    with Image.open(tmp_path / "train" / "a" / "jpeg-named.png") as jpeg:
+        assert torch.equal(by_name["jpeg-named.png"], torch.from_numpy(np.array(jpeg.convert("RGB"))).permute(2, 0, 1))
+    per_sample = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16))
+    assert per_sample.train[1][0].shape == (3, 16, 16)  # read where it lies, by a worker
+
+    good = (tmp_path / "train" / "a" / "jpeg-named.png").read_bytes()
+    for name, content in (("truncated.jpg", good[: len(good) // 2]), ("junk.png", b"not an image")):
+        bad = tmp_path / "test" / "a" / name
+        bad.write_bytes(content)
+        for preload in (True, False):
+            with pytest.raises(DataError, match=rf"^{re.escape(str(bad))}: not an image that torchvision or Pillow can "
+                                                r"decode \(.+\); replace the file with a readable image, or remove it"):
+                split = load_datasets(DatasetConfig(name="folder", root=str(tmp_path), image_size=16, preload=preload))
+                [split.test[i] for i in range(len(split.test))]  # read per sample: a worker reads it so
+        bad.unlink()
 
 
 def test_synthetic_shape_and_size():

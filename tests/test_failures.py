@@ -118,6 +118,7 @@ class ModelWithALock(SmallConvNet):
     (dict(reduce="broadcast"), "reduce must be one of all_reduce, reduce_scatter"),
     (dict(accumulate=0), "accumulate must be >= 1"),
     (dict(epochs=0), "epochs must be >= 1"),
+    (dict(clip_grad_norm="abc"), "^clip_grad_norm must be > 0 or null, got 'abc'$"),
 ])
 def test_bad_settings_are_refused_up_front(settings, message):
     with pytest.raises(ConfigError, match=message):
@@ -155,3 +156,30 @@ def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("sn_trainer.errors.WorkerFailed: worker") and 'if __name__ == "__main__":' in last
     assert "bootstrapping phase" not in done.stderr
+
+
+def test_an_image_no_decoder_reads_met_mid_run_is_one_data_error_naming_it(tmp_path, no_leaks, caplog):
+    """A worker that meets an unreadable file stops the run with the file's name as bad input (no
+    restart mends it), not as a failed worker's traceback; the checkpoints written before are whole."""
+    from PIL import Image
+
+    from helpers import plain_indices
+    from sn_trainer.checkpoint.files import load
+    from sn_trainer.data.folder import ImageFiles
+    from sn_trainer.errors import DataError
+
+    files = []
+    for i in range(24):
+        Image.new("RGB", (8, 8), (10 * i, 50, 90)).save(tmp_path / f"{i}.png")
+        files.append(str(tmp_path / f"{i}.png"))
+    bad = files[int(plain_indices(24, 4, seed=0, step=3)[0])]  # read by worker 0 for step 4, after 3 steps
+    with open(bad, "r+b") as file:
+        file.truncate(30)
+    data = ImageFiles(files, [i % 3 for i in range(24)], 8, [0.5] * 3, [0.25] * 3, 3)
+    with pytest.raises(DataError) as caught:
+        Trainer(workers=2, batch_size=4, epochs=1, seed=0, max_restarts=2, checkpoint_dir=str(tmp_path / "ckpt"),
+                checkpoint_every_steps=1).fit(SmallConvNet(channels=3), data, optimizer=SGD)
+    assert str(caught.value).startswith(f"{bad}: not an image that torchvision or Pillow can decode (")
+    assert "\n" not in str(caught.value) and "restart" not in caplog.text
+    saved = sorted((tmp_path / "ckpt").glob("step-*.pt"))
+    assert saved and all(load(path)["step"] == int(path.stem[5:]) for path in saved)

@@ -52,10 +52,12 @@ for _, batch in zip(range(4), plain_batches(data, 7, seed=3)):
     optimizer.step()
 """,
     """
-result = Trainer(workers=2, batch_size=7, max_steps=4, seed=3).fit(model, data, optimizer=sgd, step_fn=step,
-                                                                   collate_fn=collate)
+result = Trainer(workers=2, batch_size=7, max_steps=4, seed=3, log_every=2, eval_every=2).fit(
+    model, data, eval_set=data, optimizer=sgd, step_fn=step, collate_fn=collate)
 worst = max(((p - q).abs() / q.abs().clamp_min(1e-12)).max().item()
             for p, q in zip(model.parameters(), reference.parameters()))
+losses = {key: [r[key] for r in result.history if key in r][-1] for key in ("loss", "eval_loss")}
+print(f"losses {losses['loss']:.4f} {losses['eval_loss']:.4f}")
 print(f"workers {result.workers}, largest relative difference {worst:.3g}")
 """,
 ]
@@ -71,13 +73,20 @@ def test_a_notebook_trains_its_own_classes_and_functions_exactly(tmp_path):
     printed = "".join(out.get("text", "") for out in notebook.cells[-1].outputs)
     workers, worst = printed.split("workers ")[1].split(", largest relative difference ")
     assert int(workers) == 2 and float(worst) < 1e-10, printed
-    # The progress: tqdm's notebook bar (a widget) over the 4 steps, finished, with the loss on it.
-    assert any("application/vnd.jupyter.widget-view+json" in out.get("data", {}) for out in notebook.cells[-1].outputs)
+    # The progress: tqdm's notebook bar (a widget) over the 4 steps, finished, with the last training
+    # loss and the last evaluation's under names of their own; its text form (what a front-end
+    # without widgets shows, and the saved notebook) advanced with it.
+    loss, eval_loss = printed.split("losses ")[1].split()[:2]
+    assert loss != eval_loss
+    shown = [out["data"] for out in notebook.cells[-1].outputs
+             if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
+    assert len(shown) == 1 and "4/4" in shown[0]["text/plain"], shown
+    assert f"loss={loss}," in shown[0]["text/plain"] and f"eval_loss={eval_loss}" in shown[0]["text/plain"], shown
     state = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].values()
     bars = [m["state"] for m in state if m["model_name"] == "FloatProgressModel"]
     assert [(b["value"], b["max"], b["bar_style"]) for b in bars] == [(4.0, 4.0, "success")]
-    assert any("4/4" in m["state"]["value"] and "loss=" in m["state"]["value"] for m in state
-               if m["model_name"] == "HTMLModel")
+    assert any("4/4" in m["state"]["value"] and f"loss={loss}," in m["state"]["value"]
+               and f"eval_loss={eval_loss}" in m["state"]["value"] for m in state if m["model_name"] == "HTMLModel")
 
 
 def test_a_script_read_from_standard_input_trains():

@@ -123,3 +123,18 @@ def test_cgroup_v1_quotas_and_cpusets_apply_the_tightest(tmp_path):
 def test_no_cgroup_files_means_no_limit(tmp_path):
     topo = read_topology(make_sys(tmp_path, sockets=1, cores_per_socket=4, smt=False), proc_root=tmp_path / "none")
     assert (topo.cpu_quota, topo.usable_cores) == (None, 4)
+
+
+@pytest.mark.parametrize("cpu_max", ["abc 100000", "350000", "350000 abc", "", "-5 100000", "350000 0", "1 2 3"])
+def test_a_cpu_max_that_cannot_be_parsed_is_no_limit_said_in_one_warning(tmp_path, caplog, cpu_max):
+    root = make_sys(tmp_path, sockets=1, cores_per_socket=4, smt=False)
+    make_cgroup(root, tmp_path / "proc", ["garbled line", "0::/box"],
+                {"box/cpu.max": cpu_max, "box/cpuset.cpus.effective": "0-x"})
+    with caplog.at_level(logging.WARNING, logger="sn_trainer.engine.topology"):
+        topo = read_topology(root, proc_root=tmp_path / "proc")
+    assert (topo.cpu_quota, topo.usable_cores, len(topo.cores)) == (None, 4, 4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"{root}/fs/cgroup/box/cpu.max holds {cpu_max!r}, not '<quota> <period>' or 'max <period>': "
+                     "taken as no CPU limit",
+                     f"{root}/fs/cgroup/box/cpuset.cpus.effective holds '0-x', not a list of CPUs such as 0-3,8: "
+                     "taken as no cpuset"]

@@ -7,6 +7,7 @@ help texts, and the tests check them against each other.
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -170,21 +171,70 @@ def _groups() -> dict[str, type]:
     return {**RunConfig.SECTIONS, **{f.name: f.default_factory for f in fields(TrainerConfig) if is_part(f)}}
 
 
+def unknown_setting(key: str) -> ConfigError:
+    """The error for a command-line key no setting has (``batchsize``, ``optim.momentm``): the
+    nearest real key, else every valid one (of the key's group, for a key in a group)."""
+    group, _, name = key.rpartition(".")
+    if group in _groups():  # the group is right: the nearest of its own keys
+        nearest = [f"{group}.{n}" for n in difflib.get_close_matches(name, [f.name for f in fields(_groups()[group])],
+                                                                      n=1)]
+    else:
+        nearest = difflib.get_close_matches(key, [row[0] for row in option_rows()], n=1)
+    if nearest:
+        return ConfigError(f"unknown setting {key}; did you mean {nearest[0]}? (every key: python -m sn_trainer "
+                           "--help)")
+    if group in _groups():
+        shown = [f"{group}.{f.name}" for f in sorted(fields(_groups()[group]), key=lambda f: f.name)]
+    else:
+        shown = sorted({row.keyword for row in setting_rows() if row.cli and row.part is None}
+                       | {"profile", "logger", "tune", *(f"{group}.*" for group in _groups())})
+    return ConfigError(f"unknown setting {key}; valid ones: {', '.join(shown)}")
+
+
 def _build(kind: type, values: dict[str, Any], prefix: str | None):
     known = {f.name for f in fields(kind)}
+    where = f"{prefix}." if prefix else ""
     unknown = sorted(set(values) - known)
     if unknown:
-        where = f"{prefix}." if prefix else ""
-        if prefix is None:
-            shown = sorted({row.keyword for row in setting_rows() if row.cli and row.part is None}
-                           | {"profile", "logger", "tune", *(f"{group}.*" for group in _groups())})
-        else:
-            shown = sorted(known)
-        raise ConfigError(f"unknown setting {where}{unknown[0]}; valid ones: {', '.join(where + k for k in shown)}")
+        held = values[unknown[0]]  # a misspelt group (chekpoint.dir) is named by its key, as written
+        raise unknown_setting(where + unknown[0] + (f".{next(iter(held))}" if isinstance(held, dict) and held else ""))
+    for f in fields(kind):  # a value of the wrong type, named before a check compares it with a number
+        expected = _unlike(values[f.name], str(f.type)) if f.name in values else None
+        if expected:
+            raise ConfigError(f"{where}{f.name} must be {expected}, got {values[f.name]!r}")
     try:
         return kind(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+
+
+# What each type a setting is declared with accepts, and how an error names it.
+_KINDS = {"int": (["an integer"], "integers", is_int),
+          "float": (["a number"], "numbers", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+          "bool": (["true", "false"], "true or false", lambda v: isinstance(v, bool)),
+          "str": (["a string"], "strings", lambda v: isinstance(v, str)),
+          "None": (["null"], "nulls", lambda v: v is None)}
+
+
+def _unlike(value: Any, annotation: str) -> str | None:
+    """What a value of ``annotation`` (a field's, as written: ``float | None``, ``list[int]``) is,
+    where ``value`` is none of it; None where it is one, or the annotation is not one of these."""
+    wanted = []
+    for alternative in (a.strip() for a in annotation.split("|")):
+        inner = alternative[5:-1] if alternative.startswith("list[") and alternative.endswith("]") else None
+        kind = _KINDS.get(inner if inner is not None else alternative)
+        if kind is None:
+            return None  # a type this check does not know: the dataclass's own check decides
+        names, plural, accepts = kind
+        if inner is not None:
+            if isinstance(value, list) and all(accepts(v) for v in value):
+                return None
+            wanted.append(f"a list of {plural}")
+        elif accepts(value):
+            return None
+        else:
+            wanted += names
+    return ", ".join(wanted[:-1]) + " or " + wanted[-1] if len(wanted) > 1 else wanted[0]
 
 
 def option_rows() -> list[tuple[str, Any, str]]:

@@ -20,22 +20,29 @@ from ..errors import DataError
 STATISTICS_SAMPLES = 1024  # images the per-channel mean and std are estimated from, spread over the set
 
 
-JPEG = (".jpg", ".jpeg")
+JPEG_MAGIC = b"\xff\xd8\xff"  # every JPEG file starts so, whatever its name says
+FIX = "replace the file with a readable image, or remove it from the folder"
 
 
 def decode(path: str, size: int) -> np.ndarray:
     """An image file as uint8 [size, size, 3] (RGB; resized, antialiased, where it is another size).
 
-    JPEG files are decoded by torchvision's libjpeg-turbo decoder (about half Pillow's time for
-    small images: results/.../folder_bench.md), other formats, and JPEG where torchvision no
-    longer decodes, by Pillow, as torchvision's ImageFolder does.
-    """
-    image = _decode_jpeg(path) if path.lower().endswith(JPEG) else None
-    if image is None:
-        from PIL import Image
+    The format is told by the file's first bytes, not its name, as torchvision's ImageFolder
+    (Pillow) reads a PNG named ``.jpg``. JPEG files are decoded by torchvision's libjpeg-turbo
+    decoder (about half Pillow's time for small images: results/.../folder_bench.md); other
+    formats, and JPEG that torchvision does not decode (or no longer can), by Pillow.
 
-        with Image.open(path) as opened:
-            image = np.asarray(opened.convert("RGB"))
+    Raises:
+        DataError: naming the file, when it cannot be read or neither decoder reads it.
+    """
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(JPEG_MAGIC))
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the image file ({exc.strerror or exc}); {FIX}") from None
+    image = _decode_jpeg(path) if head == JPEG_MAGIC else None
+    if image is None:
+        image = _decode_pillow(path)
     if image.shape[:2] != (size, size):
         from torchvision.transforms.v2 import functional as TF
 
@@ -46,13 +53,28 @@ def decode(path: str, size: int) -> np.ndarray:
 
 
 def _decode_jpeg(path: str) -> np.ndarray | None:
+    """The JPEG file by torchvision, or None where torchvision cannot (Pillow then tries)."""
     try:
         from torchvision.io import ImageReadMode, decode_jpeg, read_file
     except ImportError:  # torchvision's decoders are deprecated (0.29) for TorchCodec's
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the fallback above is in place for their removal
-        return decode_jpeg(read_file(path), mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
+        try:
+            return decode_jpeg(read_file(path), mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
+        except RuntimeError:  # damaged, or a JPEG variant libjpeg-turbo's build refuses
+            return None
+
+
+def _decode_pillow(path: str) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as opened:
+            return np.asarray(opened.convert("RGB"))
+    except Exception as exc:  # noqa: BLE001 - Pillow raises OSError, ValueError, SyntaxError, ... for bad files
+        reason = str(exc).replace(f"{path!r}", "").replace(path, "").strip(" :") or type(exc).__name__
+        raise DataError(f"{path}: not an image that torchvision or Pillow can decode ({reason}); {FIX}") from None
 
 
 class ImageFiles(Dataset):
@@ -91,10 +113,7 @@ class ImageFiles(Dataset):
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = np.zeros((len(indices), self.size, self.size, 3), dtype=np.uint8)
         for slot, index in enumerate(indices.tolist()):
-            try:
-                image = decode(self.files[index], self.size)
-            except (OSError, RuntimeError) as exc:
-                raise DataError(f"{self.files[index]}: cannot read the image ({exc})") from None
+            image = decode(self.files[index], self.size)
             if self.augment:
                 self._crop_flip_into(batch[slot], image, index)
             else:

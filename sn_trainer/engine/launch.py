@@ -34,7 +34,7 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import WorkerFailed
+from ..errors import InputError, WorkerFailed
 from . import forkserver
 from .runtime import Runtime, default_runtime
 from .signals import StopFlags, stop_on_signals
@@ -256,8 +256,13 @@ def _bootstrap(conn: Connection, launcher_pid: int) -> None:
             stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
         result = target(payload, lambda message: _send(conn, ("message", message)))
         _send(conn, ("done", result))
-    except BaseException:  # noqa: BLE001 - anything a worker raises is reported, then it exits
+    except BaseException as exc:  # noqa: BLE001 - anything a worker raises is reported, then it exits
         try:
+            if isinstance(exc, InputError):  # the user's input, found unusable mid-run (a corrupt file)
+                try:
+                    _send(conn, ("refused", exc))
+                except Exception:  # noqa: BLE001 - one that cannot be pickled is reported by its traceback
+                    pass
             _send(conn, ("error", traceback.format_exc()))
         finally:
             os._exit(1)
@@ -293,6 +298,7 @@ def launch(
 
     Raises:
         WorkerFailed: as soon as one worker raises, dies or hangs; by then every worker is dead.
+        InputError: the one a worker raised (a data file it could not read), itself, once every worker is dead.
     """
     if getattr(mp.current_process(), "_inheriting", False):
         # This process is a worker importing the script: a known exit code, rather than
@@ -377,6 +383,7 @@ class _Inbox:
 def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, where) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
+    refusals: list[InputError] = []  # what the workers found wrong with the user's input
     running = set(range(len(procs)))
 
     busy_until = 0.0  # when the launcher last came back from on_message (the run's callbacks)
@@ -391,6 +398,8 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
                 results[rank] = body
             elif kind == "error":
                 failures.append((rank, body))
+            elif kind == "refused":
+                refusals.append(body)
 
     while running and not failures:
         sentinels = {procs[r].sentinel: r for r in running}
@@ -408,6 +417,8 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
                 watchdog.on_tick([procs[r].pid for r in running])
             if watchdog.heartbeats is not None and watchdog.timeout_s is not None:
                 failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s, busy_until))
+    if refusals:  # bad input, not a failed worker: no restart mends it, and the user is told it in one line
+        raise refusals[0]
     if failures:
         rank, detail = failures[0]
         raise WorkerFailed(rank, detail, failures[1:], where=where)

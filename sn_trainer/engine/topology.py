@@ -139,6 +139,8 @@ def read_cgroup_limits(cgroup_root: Path, self_cgroup: Path) -> CgroupLimits:
         return CgroupLimits(None, None)
     quotas, cpusets = [], []
     for line in lines:
+        if line.count(":") < 2:
+            continue  # not "id:controllers:path": no cgroup this process can be found in
         _, controllers, path = line.split(":", 2)
         names = controllers.split(",") if controllers else []
         if not names:  # v2: one unified hierarchy
@@ -168,11 +170,21 @@ def _ancestors(mount: Path, path: str) -> list[Path]:
 
 
 def _v2_quota(path: Path) -> float | None:
+    """cpu.max's quota in CPUs ("350000 100000": 3.5), None for "max" (no limit) or no file. What
+    cannot be parsed is taken as no limit, said in one warning line: a quota only bounds the workers
+    that workers=auto (and tuning) choose, so not knowing it must not stop a run."""
     try:
-        quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
+        text = path.read_text().strip()
+    except OSError:
         return None
-    return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
+    fields = text.split()
+    if fields[:1] == ["max"]:
+        return None
+    numbers = [int(field) for field in fields if field.isdigit()]
+    if len(fields) != 2 or len(numbers) != 2 or 0 in numbers:
+        log.warning("%s holds %r, not '<quota> <period>' or 'max <period>': taken as no CPU limit", path, text)
+        return None
+    return numbers[0] / numbers[1]
 
 
 def _cpuset(path: Path) -> set[int] | None:
@@ -180,7 +192,11 @@ def _cpuset(path: Path) -> set[int] | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    return set(parse_cpu_list(text)) if text else None
+    try:
+        return set(parse_cpu_list(text)) if text else None
+    except ValueError:
+        log.warning("%s holds %r, not a list of CPUs such as 0-3,8: taken as no cpuset", path, text)
+        return None
 
 
 def auto_workers(topology: Topology, threads: int) -> int:

@@ -27,7 +27,7 @@ from ..engine.objective import MEAN, Objective, Precision
 from ..engine.phases import PhaseSpec
 from ..engine.schedule import Schedule
 from ..engine.state import group_params
-from ..errors import UserCodeError
+from ..errors import InputError, UserCodeError
 from . import loss_probe
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
@@ -201,6 +201,8 @@ def _needs_closure(optimizer_class: type) -> bool:
 def _attempt(what: str, fn):
     try:
         return fn()
+    except InputError:  # a data file that cannot be read is named by the reader itself, in one line
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is reported the same way
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         # Drop this module's own frames: the user's code starts below them.
