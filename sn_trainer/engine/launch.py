@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import WorkerFailed
-from . import forkserver
+from . import forkserver, metric_states
 from .runtime import Runtime, default_runtime
 from .signals import StopFlags, stop_on_signals
 from .stages import STAGES, WAITING
@@ -62,6 +62,13 @@ class WorkerPickler(cloudpickle.Pickler):
 
     dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, ForkingPickler._extra_reducers,
                                           cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        # A torchmetrics Metric travels by value: with its states in shared memory, an update
+        # in place (``self.total += n``) in one worker would add into every worker's copy.
+        if metric_states.is_metric(obj):
+            return pickle.loads, (cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),)
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> bytes:

@@ -15,7 +15,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import torch
 from torch import nn
 
@@ -51,7 +50,7 @@ class Findings:
     phases: tuple[PhaseFindings, ...]  # each phase's, in order
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how evaluation's loss splits (with no phase to train)
-    metric_templates: dict[str, bytes] = field(default_factory=dict)  # eval_keys' torchmetrics Metrics, as built
+    metric_templates: dict[str, Any] = field(default_factory=dict)  # eval_keys' torchmetrics Metrics, as built
 
 
 @dataclass
@@ -138,16 +137,15 @@ def rehearse(s: Rehearsal) -> Findings:
     return Findings(tuple(phases), eval_keys, finding, templates)
 
 
-def _metric_template(name: str, metric) -> bytes:
+def _metric_template(name: str, metric) -> Any:
     """A torchmetrics Metric metric_fn updated, computed once on what it holds (one number, or
-    refused), then reset: the workers' evaluations start from it as built. Its copy as built,
-    pickled with its tensors by value (findings may come from a process that has ended since)."""
+    refused), then reset: the workers' evaluations start from it as built. Its copy as built."""
     what = f"metric_fn's {name!r}"
     with warnings.catch_warnings():  # what a few samples lack (a class, a positive) says nothing of the set
         warnings.simplefilter("ignore")
         _attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
     metric.reset()
-    return cloudpickle.dumps(metric_states.fresh(metric))
+    return metric_states.fresh(metric)
 
 
 def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:

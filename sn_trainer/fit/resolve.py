@@ -342,7 +342,7 @@ def _settle_metrics(objective: Objective, findings: preflight.Findings, global_w
     Raises:
         ConfigError: names the metric, the state and what to do instead.
     """
-    objective.metric_templates = {name: pickle.loads(blob) for name, blob in findings.metric_templates.items()}
+    objective.metric_templates = dict(findings.metric_templates)
     if global_workers == 1:
         return  # one worker: its states are the whole set's, nothing is merged
     for name, template in objective.metric_templates.items():
