@@ -26,14 +26,16 @@ CLASSES = 3
 
 class Scores:
     """metric_fn's Metrics, made once and updated in metric_fn, as a torchmetrics user writes it:
-    macro accuracy and F1 (summed counts), AUROC (concatenated scores), a mean whose states are
-    updated in place (``self.weight += ...``: each worker's must be its own), and a (sum, count) term."""
+    macro accuracy and F1 (summed counts), their sum (a metric of metrics), AUROC (concatenated
+    scores), a mean whose states are updated in place (``self.weight += ...``: each worker's must
+    be its own), and a (sum, count) term."""
 
     def __init__(self):
         self.accuracy = MulticlassAccuracy(num_classes=CLASSES)  # average="macro", torchmetrics' default
         self.f1 = MulticlassF1Score(num_classes=CLASSES)
         self.auroc = MulticlassAUROC(num_classes=CLASSES)
         self.top = torchmetrics.MeanMetric().set_dtype(F64)
+        self.both = self.f1 + self.accuracy  # a CompositionalMetric: its parts merged, then added
 
     def __call__(self, model, batch):
         inputs, targets = batch
@@ -41,7 +43,7 @@ class Scores:
         for metric in (self.accuracy, self.f1, self.auroc):
             metric.update(logits, targets)
         self.top.update(logits.max(1).values)
-        return {"macro_accuracy": self.accuracy, "f1": self.f1, "auroc": self.auroc, "top": self.top,
+        return {"f1_plus_accuracy": self.both, "macro_accuracy": self.accuracy, "f1": self.f1, "auroc": self.auroc, "top": self.top,
                 "hits": ((logits.argmax(1) == targets).sum(), len(targets))}
 
 
@@ -50,20 +52,21 @@ def once_over(model, dataset) -> dict[str, float]:
     inputs, targets = dataset.tensors
     with torch.no_grad():
         logits = model(inputs)
-    return {"macro_accuracy": MulticlassAccuracy(num_classes=CLASSES)(logits, targets).item(),
-            "f1": MulticlassF1Score(num_classes=CLASSES)(logits, targets).item(),
+    accuracy = MulticlassAccuracy(num_classes=CLASSES)(logits, targets)
+    f1 = MulticlassF1Score(num_classes=CLASSES)(logits, targets)
+    return {"f1_plus_accuracy": (f1 + accuracy).item(), "macro_accuracy": accuracy.item(), "f1": f1.item(),
             "auroc": MulticlassAUROC(num_classes=CLASSES)(logits, targets).item(),
             "top": torchmetrics.MeanMetric().set_dtype(F64)(logits.max(1).values).item(),
             "hits": (logits.argmax(1) == targets).double().mean().item()}
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_torchmetrics_merged_over_workers_and_chunks_equal_one_pass(workers):
+@pytest.mark.parametrize("workers,comm", [(1, "auto"), (2, "shm"), (2, "gloo"), (3, "shm")])
+def test_torchmetrics_merged_over_workers_and_chunks_equal_one_pass(workers, comm):
     """37 samples in chunks of 5: slices of 37, 19/18 and 13/12/12 samples, each ending in a short chunk."""
     torch.manual_seed(0)
     model = SmallConvNet().double()
     evaluation = tiny_dataset(n=37, seed=4, dtype=F64)
-    found = Trainer(workers=workers, eval_batch_size=5).evaluate(model, evaluation, metric_fn=Scores())
+    found = Trainer(workers=workers, eval_batch_size=5, comm=comm).evaluate(model, evaluation, metric_fn=Scores())
     expected = once_over(model, evaluation)
     assert found["eval_samples"] == 37
     for name, value in expected.items():
@@ -82,7 +85,7 @@ def test_a_worker_with_nothing_to_evaluate_merges_its_metric_as_built():
     evaluation = tiny_dataset(n=2, seed=5, dtype=F64)  # at W=3 the last worker's slice is empty
     found = Trainer(workers=3, eval_batch_size=5).evaluate(model, evaluation, metric_fn=Scores())
     expected = once_over(model, evaluation)
-    for name in ("macro_accuracy", "f1", "top", "hits"):
+    for name in ("f1_plus_accuracy", "macro_accuracy", "f1", "top", "hits"):
         assert found[f"eval_{name}"] == pytest.approx(expected[name], rel=1e-12, abs=1e-12), name
 
 

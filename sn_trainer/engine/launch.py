@@ -64,10 +64,8 @@ class WorkerPickler(cloudpickle.Pickler):
                                           cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj):
-        # A torchmetrics Metric travels by value: with its states in shared memory, an update
-        # in place (``self.total += n``) in one worker would add into every worker's copy.
-        if metric_states.is_metric(obj):
-            return pickle.loads, (cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),)
+        if metric_states.is_metric(obj):  # a torchmetrics Metric: its states each worker's own
+            return metric_states.reduce_with_private_states(obj)
         return super().reducer_override(obj)
 
 

@@ -10,7 +10,9 @@ the user's code imported it.
 """
 from __future__ import annotations
 
+import copyreg
 import math
+import pickle
 import sys
 import warnings
 from collections.abc import Callable
@@ -36,6 +38,35 @@ def is_metric(value: Any) -> bool:
     """Whether ``value`` is a torchmetrics ``Metric`` (without importing torchmetrics)."""
     torchmetrics = sys.modules.get("torchmetrics")
     return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
+
+
+class _Copied:
+    """A tensor that pickles by value, whatever pickler carries it (not as a shared-memory handle)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        return pickle.loads, (pickle.dumps(self.tensor.detach(), protocol=pickle.HIGHEST_PROTOCOL),)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Copied(value)
+    if isinstance(value, list):
+        return [_copied(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    return value
+
+
+def reduce_with_private_states(metric) -> tuple:
+    """How a Metric is pickled to the workers: as itself, its tensors (states, their defaults) by
+    value, so that each worker's are its own (in shared memory, an update in place such as
+    ``self.total += n`` in one worker would add into every worker's copy). The rest, the Metrics
+    inside it among it, goes through the same pickler, so that a Metric held in two places (a sum
+    of metrics and its parts) stays one object."""
+    return copyreg.__newobj__, (type(metric),), {key: _copied(value) for key, value in metric.__getstate__().items()}
 
 
 def _parts(metric) -> list:
@@ -80,6 +111,10 @@ def computed(metric, gather: Callable | None, what: str) -> float:
     kept = [(part.dist_sync_fn, part.distributed_available_fn) for part in parts]
     try:
         for part in parts:
+            # Every part synchronises again, value cached or not: a part computed already (the F1
+            # of a sum of metrics, computed before the F1 itself) must take part in the gathers,
+            # as it does in a worker that holds it only as built.
+            part._computed = None
             if gather is not None:
                 part.dist_sync_fn = lambda tensor, group=None: gather(tensor)
             part.distributed_available_fn = (lambda: True) if gather is not None else (lambda: False)
