@@ -126,6 +126,7 @@ def rehearse(s: Rehearsal) -> Findings:
     finding = phases[0].loss if phases else _probe(s, s.objective, replica, "")
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
+    templates: dict[str, Any] = {}
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
