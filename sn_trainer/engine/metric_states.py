@@ -29,8 +29,9 @@ _DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.
            torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_DIMS = 8
 _EXACT_INTEGERS = 2 ** 53
-# The reductions whose merge is what one process computes over all the chunks (the list of a
-# "cat" state is concatenated in rank order: workers hold contiguous slices of the set in order).
+# The reductions whose merge is what one process computes over all the chunks. A "cat" state is
+# concatenated in rank order: a map-style set's order, as its workers hold contiguous slices of it;
+# a stream's chunks go round-robin, so there it holds the same rows in another order.
 _EXACT_REDUCTIONS = ("dim_zero_sum", "dim_zero_cat", "dim_zero_min", "dim_zero_max")
 
 
