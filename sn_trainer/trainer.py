@@ -114,8 +114,9 @@ class Trainer:
             step_fn: ``step_fn(model, batch)`` returning the loss (a per-sample mean or a sum,
                 measured before workers start) or ``(loss_sum, count)``; ``batch`` is what the
                 dataset yields, collated.
-            metric_fn: ``metric_fn(model, batch)`` returning ``{name: value or (sum, count)}``,
-                reported as ``eval_<name>``.
+            metric_fn: ``metric_fn(model, batch)`` returning ``{name: (sum, count)}`` or
+                ``{name: metric}``, a torchmetrics Metric it updated (every worker's states
+                merged, computed once per evaluation, then reset), reported as ``eval_<name>``.
             param_groups: ``param_groups(model)`` returning torch.optim groups (or an
                 optimizer built from them); called here, once.
             callbacks: ``sn_trainer.Callback`` objects, called here as the run's events arrive;

@@ -47,7 +47,9 @@ def start(runtime: Runtime | None = None) -> None:
         return
     runtime = runtime or default_runtime()
     preload = PRELOAD if _main_is_a_file() else [m for m in PRELOAD if m != "__main__"]
-    multiprocessing.set_forkserver_preload(preload + (["torchvision"] if "torchvision" in sys.modules else []))
+    # What the user imported that is slow to import (torchmetrics: seconds), once here rather than in every worker.
+    heavy = [name for name in ("torchvision", "torchmetrics") if name in sys.modules]
+    multiprocessing.set_forkserver_preload(preload + heavy)
     _own_temp_dir()
     with preloading(runtime.libraries()):
         multiprocessing.forkserver.ensure_running()

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import InputError, WorkerFailed
-from . import forkserver
+from . import forkserver, metric_states
 from .runtime import Runtime, default_runtime
 from .signals import StopFlags, stop_on_signals
 from .stages import STAGES, WAITING
@@ -62,6 +62,11 @@ class WorkerPickler(cloudpickle.Pickler):
 
     dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, ForkingPickler._extra_reducers,
                                           cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        if metric_states.is_metric(obj):  # a torchmetrics Metric: its states each worker's own
+            return metric_states.reduce_with_private_states(obj)
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> bytes:

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gather
+from ..errors import ConfigError
+from . import gather, metric_states
 
 Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or dict of them
 
@@ -74,8 +75,9 @@ class Objective:
             form is measured.
         step_fn: ``step_fn(model, batch)`` returning the loss, or ``(loss_sum, count)``;
             replaces loss_fn.
-        metric_fn: ``metric_fn(model, batch)`` returning ``{name: value}`` (a per-sample mean)
-            or ``{name: (sum, count)}``, evaluated in evaluation only.
+        metric_fn: ``metric_fn(model, batch)`` returning ``{name: (sum, count)}`` or
+            ``{name: metric}``, a torchmetrics Metric it updated (see ``metric_states``),
+            evaluated in evaluation only.
 
     Without loss_fn and step_fn, a batch that is a dict is the model's keyword arguments and
     its output's ``loss`` is the loss (a Hugging Face model with ``labels`` in the batch).
@@ -88,6 +90,9 @@ class Objective:
         self.loss_fn = loss_fn if loss_fn is not None or step_fn is not None else nn.CrossEntropyLoss()
         self.form = MEAN  # how a scalar loss splits: measured before workers start (preflight), equal in all
         self.eval_keys: tuple[str, ...] = ()  # fixed before workers start (preflight), equal in all
+        # Of those, the torchmetrics Metrics, each as built (fixed by the preflight): what a worker
+        # that evaluates nothing merges, and what says which states every worker gathers.
+        self.metric_templates: dict[str, Any] = {}
 
     @property
     def what(self) -> str:
@@ -155,9 +160,14 @@ class Objective:
 
     @torch.no_grad()
     def eval_terms(self, model: nn.Module, batch: Batch, samples: int, precision: Precision,
-                   dtype: torch.dtype) -> dict[str, tuple[float, float]]:
-        """``{name: (sum, count)}`` of one slice: the loss, accuracy where it applies, user metrics."""
-        out: dict[str, tuple[float, float]] = {}
+                   dtype: torch.dtype) -> dict[str, Any]:
+        """``{name: (sum, count)}`` of one slice: the loss, accuracy where it applies, user metrics;
+        a user metric that is a torchmetrics Metric as the Metric itself (updated by metric_fn).
+
+        Raises:
+            ConfigError: a metric_fn value is neither (sum, count) nor a Metric.
+        """
+        out: dict[str, Any] = {}
         counted_pairs = self.step_fn is None and not (self.model_loss and isinstance(batch, Mapping))
         if counted_pairs:
             outputs, targets = self._forward(model, batch, precision, dtype)
@@ -173,11 +183,10 @@ class Objective:
             with precision.autocast():
                 metrics = self.metric_fn(model, batch)
             if not isinstance(metrics, Mapping):
-                raise TypeError(f"metric_fn must return a dict of name -> value or (sum, count), "
+                raise TypeError(f"metric_fn must return a dict of name -> (sum, count) or torchmetrics Metric, "
                                 f"got {type(metrics).__name__}")
             for name, value in metrics.items():
-                value_sum, value_count = terms(value, samples, f"metric_fn's {name!r}")
-                out[str(name)] = (float(value_sum), float(value_count))
+                out[str(name)] = metric_terms(value, f"metric_fn's {str(name)!r}")
         return out
 
     def _forward(self, model, batch, precision, dtype):
@@ -270,6 +279,29 @@ def counted_cross_entropy(loss_fn, outputs: torch.Tensor, targets) -> tuple[torc
         loss_sum = F.nll_loss(outputs, targets, weight=loss_fn.weight, ignore_index=loss_fn.ignore_index,
                               reduction="sum")
     return loss_sum, float(count)
+
+
+def metric_terms(value: Any, what: str) -> Any:
+    """A metric_fn value as ``(sum, count)`` floats, or the torchmetrics Metric it is.
+
+    A single number is refused, whatever it is: a per-batch mean and a per-batch macro F1 look
+    the same, and only the first may be averaged over chunks and workers.
+
+    Raises:
+        ConfigError: it is neither.
+    """
+    if metric_states.is_metric(value):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value_sum, value_count = value
+        return float(_scalar(value_sum, what)), float(_scalar(value_count, what))
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        got = "a single number"
+    else:
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    raise ConfigError(f"{what} is {got}, which cannot be merged exactly over evaluation chunks and workers; return "
+                      "(sum, count) for a mean, e.g. ((preds == targets).sum(), len(targets)), or a torchmetrics "
+                      "Metric that metric_fn updates, e.g. f1.update(logits, targets); return {'f1': f1}")
 
 
 def terms(value: Any, samples: int, what: str) -> tuple[torch.Tensor, float]:

@@ -4,6 +4,7 @@ training step, an evaluation, and its share of a checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import traceback
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from ..data.batching import in_layout
 from ..data.feed import Feed
 from ..data.source import Source, different_orders
 from ..errors import DataError
-from . import random_state
+from . import metric_states, random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
@@ -59,6 +60,22 @@ class WorkerSpec:
     launch: Launch
     share: dict[str, Any] | None = None  # this worker's share of a checkpoint: each phase's state, random state
     cluster: Cluster | None = None  # several nodes under torchrun
+
+
+def _hold_metric(updated: dict[str, Any], key: str, value: Any) -> None:
+    """Keep the Metric metric_fn returned for ``key``; it must be the same object every chunk.
+
+    Raises:
+        TypeError: another object than the first chunk's.
+    """
+    if value is None:
+        return
+    if not metric_states.is_metric(value):
+        raise TypeError(f"metric_fn's {key!r} was a torchmetrics Metric on the first batch and is now "
+                        f"{type(value).__name__}; return the same kind of value for a name on every batch")
+    if updated.setdefault(key, value) is not value:
+        raise TypeError(f"metric_fn's {key!r} returned another Metric object than on the first batch; create the "
+                        "Metric once, outside metric_fn, and update that one in metric_fn")
 
 
 class Replica:
@@ -268,16 +285,21 @@ class Replica:
     def evaluate_weights(self, beat: Callable[[str], None]) -> dict[str, Any]:
         """Exact loss and metrics over the whole evaluation set, each worker taking a slice.
 
-        A failure in any worker's evaluation is reported, not raised: the training is kept. Every
-        module is put back in the mode it was in (a frozen backbone stays in eval mode).
+        ``(sum, count)`` terms are summed over chunks and workers; a torchmetrics Metric is
+        updated by metric_fn over this worker's chunks, its states gathered from every worker,
+        computed once, and reset. A failure in any worker's evaluation is reported, not raised:
+        the training is kept. Every module is put back in the mode it was in (a frozen backbone
+        stays in eval mode).
         """
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         if self.rank != 0:
             self.buffers.adopt()
-        keys = self.objective.eval_keys
+        templates = self.objective.metric_templates
+        keys = [key for key in self.objective.eval_keys if key not in templates]  # the summed ones
         sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
-        error, evaluation = None, self.launch.evaluation
+        updated: dict[str, Any] = {}  # each Metric metric_fn returned, as it returned it
+        error, computed, evaluation = None, {}, self.launch.evaluation
         # Workers evaluate different numbers of chunks: nothing may wait for the others (a gather
         # in evaluation is refused before the run where there are several).
         alone = Gathering() if self.global_workers == 1 else Refusing(
@@ -295,6 +317,8 @@ class Replica:
                     value_sum, value_count = found.get(key, (0.0, 0.0))
                     sums[2 * k] += value_sum
                     sums[2 * k + 1] += value_count
+                for key in templates:
+                    _hold_metric(updated, key, found.get(key))
                 sums[-2] += samples
         except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet below
             error = traceback.format_exc()
@@ -303,15 +327,36 @@ class Replica:
         # Each worker digests all it read of the set, its peers' chunks too: equal where all read one order.
         summed = self.global_sum(torch.cat([sums, digest_terms(evaluation.eval_digest() if error is None else None)]))
         sums, read = summed[: len(sums)], summed[len(sums) :]
-        for module, training in modes:
-            module.training = training
+        same_items = one_digest(read)
+        try:
+            if sums[-1] == 0 and same_items:  # every worker evaluated, so every worker gathers the same states below
+                computed = self._computed_metrics(updated)
+        except Exception:  # noqa: BLE001 - computed from the same states in every worker: all fail alike
+            error, sums[-1] = traceback.format_exc(), 1
+        finally:
+            for metric in updated.values():
+                metric.reset()  # the next evaluation starts from the metric as built
+            for module, training in modes:
+                module.training = training
         if sums[-1] > 0:
             return {"eval_error": error or "evaluation failed in another worker"}
-        if not one_digest(read):
+        if not same_items:
             return {"eval_error": different_orders("the workers read different items for the evaluation")}
-        result: dict[str, Any] = {"eval_samples": int(sums[-2].item())}
-        for k, key in enumerate(keys):  # a metric that counted nothing is NaN, as a mean of nothing is
-            result[f"eval_{key}"] = (sums[2 * k] / sums[2 * k + 1]).item() if sums[2 * k + 1] > 0 else math.nan
+        summed = {key: (sums[2 * k] / sums[2 * k + 1]).item() if sums[2 * k + 1] > 0 else math.nan
+                  for k, key in enumerate(keys)}  # a metric that counted nothing is NaN, as a mean of nothing is
+        return {"eval_samples": int(sums[-2].item()),
+                **{f"eval_{key}": summed[key] if key in summed else computed[key] for key in self.objective.eval_keys}}
+
+    def _computed_metrics(self, updated: dict[str, Any]) -> dict[str, float]:
+        """Each torchmetrics Metric's value, by name, from every worker's states (a worker that
+        evaluated nothing takes part with the metric as built)."""
+        gather = None if self.global_workers == 1 else functools.partial(
+            metric_states.gather_by_sums, rank=self.global_rank, world=self.global_workers,
+            global_sum=self.global_sum)
+        result = {}
+        for key, template in self.objective.metric_templates.items():
+            metric = updated[key] if key in updated else metric_states.fresh(template)
+            result[key] = metric_states.computed(metric, gather, f"metric_fn's {key!r}")
         return result
 
     def state_part(self, step_done: int) -> bytes:

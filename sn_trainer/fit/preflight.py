@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +21,14 @@ from torch import nn
 from ..config import TrainerConfig
 from ..data.batching import in_layout
 from ..data.source import Source
-from ..engine import random_state
+from ..engine import metric_states, random_state
 from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
 from ..engine.objective import MEAN, Objective, Precision
 from ..engine.phases import PhaseSpec
 from ..engine.schedule import Schedule
 from ..engine.state import group_params
-from ..errors import InputError, UserCodeError
+from ..errors import ConfigError, InputError, UserCodeError
 from . import loss_probe
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
@@ -51,6 +52,7 @@ class Findings:
     eval_keys: tuple[str, ...]  # the sums evaluation reports, in the order every worker sums them
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how evaluation's loss splits (with no phase to train)
     eval_gathers: bool = False  # evaluation's step or metric function calls sn_trainer.gather
+    metric_templates: dict[str, Any] = field(default_factory=dict)  # eval_keys' torchmetrics Metrics, as built
 
 
 @dataclass
@@ -129,6 +131,7 @@ def rehearse(s: Rehearsal) -> Findings:
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
     eval_gathers = False
+    templates: dict[str, Any] = {}
     if s.eval_batch is not None:
         batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
@@ -136,7 +139,20 @@ def rehearse(s: Rehearsal) -> Findings:
             found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                              lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys, eval_gathers = tuple(found), seen.calls > 0
-    return Findings(tuple(phases), eval_keys, finding, eval_gathers)
+        templates = {name: _metric_template(name, value) for name, value in found.items()
+                     if metric_states.is_metric(value)}
+    return Findings(tuple(phases), eval_keys, finding, eval_gathers, templates)
+
+
+def _metric_template(name: str, metric) -> Any:
+    """A torchmetrics Metric metric_fn updated, computed once on what it holds (one number, or
+    refused), then reset: the workers' evaluations start from it as built. Its copy as built."""
+    what = f"metric_fn's {name!r}"
+    with warnings.catch_warnings():  # what a few samples lack (a class, a positive) says nothing of the set
+        warnings.simplefilter("ignore")
+        _attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
+    metric.reset()
+    return metric_states.fresh(metric)
 
 
 def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) -> loss_probe.Finding:
@@ -192,6 +208,8 @@ def rehearse_in_worker(s: Rehearsal, send) -> dict[str, Any]:
         return {"findings": rehearse(s)}
     except UserCodeError as exc:
         return {"error": str(exc)}
+    except ConfigError as exc:
+        return {"refusal": str(exc)}
 
 
 def _needs_closure(optimizer_class: type) -> bool:
@@ -201,8 +219,8 @@ def _needs_closure(optimizer_class: type) -> bool:
 def _attempt(what: str, fn):
     try:
         return fn()
-    except InputError:  # a data file that cannot be read is named by the reader itself, in one line
-        raise
+    except (InputError, ConfigError):  # sn_trainer's own one-line refusals (a file it cannot read, a metric
+        raise  # value it cannot merge): said as they are
     except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is reported the same way
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         # Drop this module's own frames: the user's code starts below them.

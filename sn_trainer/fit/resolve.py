@@ -20,7 +20,7 @@ from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, different_orders, make_source
-from ..engine import random_state
+from ..engine import metric_states, random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
 from ..engine.layout import FlatLayout, trainable_parameters
@@ -124,6 +124,7 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     if splits:
         findings = _labels_seen(findings, train, rehearsal.probe_group, settings)
     _settle_losses(objective, phases, findings, splits, evaluation, settings.split)
+    _settle_metrics(objective, findings, placement.global_workers)
     settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     _check_combinations(settings, placement, train.size)
     _check_gathered(phases, findings, settings, placement, train.size)
@@ -158,6 +159,7 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
                                           settings), settings)
     objective.eval_keys = findings.eval_keys
+    _settle_metrics(objective, findings, placement.global_workers)
     objective.form = findings.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
     _check_gathered([], findings, settings, placement, None)
     # What only training uses stays out: no accumulation, no moving average, no batch-norm sums.
@@ -220,6 +222,8 @@ def rehearse(rehearsal: preflight.Rehearsal, settings: TrainerConfig) -> preflig
                         runtime=Runtime(settings.allocator, settings.openmp))
     if "error" in outcome:
         raise UserCodeError(outcome["error"])
+    if "refusal" in outcome:
+        raise ConfigError(outcome["refusal"])
     return outcome["findings"]
 
 
@@ -392,6 +396,24 @@ def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: pref
     for phase, found in zip(phases, findings.phases):
         phase.objective.form = _loss_form(found.loss, phase.objective, splits, split)
         _check_monitor(found.schedule_monitor, objective.eval_keys, evaluation)
+
+
+def _settle_metrics(objective: Objective, findings: preflight.Findings, global_workers: int) -> None:
+    """The torchmetrics Metrics evaluation merges across workers, each refused where its states
+    cannot be merged exactly and the run has more than one worker to merge.
+
+    Raises:
+        ConfigError: names the metric, the state and what to do instead.
+    """
+    objective.metric_templates = dict(findings.metric_templates)
+    if global_workers == 1:
+        return  # one worker: its states are the whole set's, nothing is merged
+    for name, template in objective.metric_templates.items():
+        why = metric_states.unmergeable(template)
+        if why is not None:
+            raise ConfigError(f"metric_fn's {name!r} cannot be evaluated over {global_workers} workers exactly: "
+                              f"{why}; return it as (sum, count) terms, use a torchmetrics metric whose states are "
+                              "summed, concatenated, or a min or max, or evaluate with workers=1")
 
 
 def _loss_form(finding: loss_probe.Finding, objective: Objective, splits: bool, split: str = "exact") -> str:
