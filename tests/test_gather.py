@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import sn_trainer
 from helpers import assert_exact, plain_batches, plain_indices
-from sn_trainer import ConfigError, Trainer, WorkerFailed
+from sn_trainer import ConfigError, InputError, Trainer
 
 pytestmark = pytest.mark.timeout(180)
 F64 = torch.float64
@@ -234,6 +234,6 @@ def with_a_term_of_its_own_slice(model, batch):
 
 
 def test_a_loss_that_differs_between_workers_stops_the_run():
-    with pytest.raises(WorkerFailed, match="differs between workers"):
+    with pytest.raises(InputError, match="differs between workers"):
         Trainer(workers=2, batch_size=12, max_steps=2).fit(SimCLR().double(), two_views(24), optimizer=SGD,
                                                           step_fn=with_a_term_of_its_own_slice)
