@@ -45,28 +45,12 @@ def _feed(h, obj: Any, depth: int) -> None:
     if depth > _DEPTH:
         raise DataError(f"a stream item nests deeper than {_DEPTH} levels (an object that holds itself?): yield "
                         "tensors, arrays, numbers, strings, bytes, or lists, tuples and dicts of them")
-    if obj is None or isinstance(obj, (bool, int, float, complex)):
-        _tag(h, type(obj).__name__, repr(obj))  # repr is exact: a float's repr reads back as that float
-    elif isinstance(obj, str):
-        _tag(h, "str", len(obj))
-        h.update(obj.encode("utf-8", "surrogatepass"))
-    elif isinstance(obj, (bytes, bytearray, memoryview)):
-        data = memoryview(obj).cast("B")
-        _tag(h, "bytes", len(data))
-        h.update(data)
-    elif isinstance(obj, torch.Tensor):
-        tensor = obj.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        _tag(h, "tensor", tensor.dtype, tuple(tensor.shape))
-        h.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(obj, (np.ndarray, np.generic)):
-        array = np.ascontiguousarray(obj)
-        if array.dtype.hasobject:
-            _tag(h, "objects", array.shape)
-            for element in array.reshape(-1):
-                _feed(h, element, depth + 1)
-        else:
-            _tag(h, "array", array.dtype.str, array.shape)
-            h.update(array.reshape(-1).view(np.uint8))
+    if _feed_value(h, obj):
+        return
+    if isinstance(obj, np.ndarray):  # an array of objects: element by element
+        _tag(h, "objects", obj.shape)
+        for element in obj.reshape(-1):
+            _feed(h, element, depth + 1)
     elif isinstance(obj, Mapping):
         _tag(h, "map", type(obj).__name__, len(obj))
         for key, value in obj.items():
@@ -85,9 +69,6 @@ def _feed(h, obj: Any, depth: int) -> None:
         _tag(h, "set", len(parts))
         for part in sorted(parts):
             h.update(part)
-    elif type(obj).__module__.startswith("PIL.") and hasattr(obj, "tobytes"):
-        _tag(h, "image", obj.mode, obj.size)
-        h.update(obj.tobytes())
     elif dataclasses.is_dataclass(obj):
         _tag(h, "dataclass", type(obj).__qualname__)
         for field in dataclasses.fields(obj):
@@ -97,11 +78,42 @@ def _feed(h, obj: Any, depth: int) -> None:
         _tag(h, "object", type(obj).__module__, type(obj).__qualname__)
         _feed(h, vars(obj), depth + 1)
     else:
-        try:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - named in the refusal below
-            raise DataError(f"cannot compare a stream item of type {type(obj).__name__} between workers ({exc}): "
-                            "yield tensors, arrays, numbers, strings, bytes, or lists, tuples and dicts of them") \
-                from None
-        _tag(h, "pickle", type(obj).__qualname__, len(data))
+        _feed_pickled(h, obj)
+
+
+def _feed_value(h, obj: Any) -> bool:
+    """Digest what holds no other objects (a number, string, bytes, tensor, array of numbers,
+    image); False for anything else."""
+    if obj is None or isinstance(obj, (bool, int, float, complex)):
+        _tag(h, type(obj).__name__, repr(obj))  # repr is exact: a float's repr reads back as that float
+    elif isinstance(obj, str):
+        _tag(h, "str", len(obj))
+        h.update(obj.encode("utf-8", "surrogatepass"))
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        data = memoryview(obj).cast("B")
+        _tag(h, "bytes", len(data))
         h.update(data)
+    elif isinstance(obj, torch.Tensor):
+        tensor = obj.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        _tag(h, "tensor", tensor.dtype, tuple(tensor.shape))
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, (np.ndarray, np.generic)) and not np.asarray(obj).dtype.hasobject:
+        array = np.ascontiguousarray(obj)
+        _tag(h, "array", array.dtype.str, array.shape)
+        h.update(array.reshape(-1).view(np.uint8))
+    elif type(obj).__module__.startswith("PIL.") and hasattr(obj, "tobytes"):
+        _tag(h, "image", obj.mode, obj.size)
+        h.update(obj.tobytes())
+    else:
+        return False
+    return True
+
+
+def _feed_pickled(h, obj: Any) -> None:
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - named in the refusal below
+        raise DataError(f"cannot compare a stream item of type {type(obj).__name__} between workers ({exc}): "
+                        "yield tensors, arrays, numbers, strings, bytes, or lists, tuples and dicts of them") from None
+    _tag(h, "pickle", type(obj).__qualname__, len(data))
+    h.update(data)

@@ -297,35 +297,12 @@ class Replica:
             self.buffers.adopt()
         templates = self.objective.metric_templates
         keys = [key for key in self.objective.eval_keys if key not in templates]  # the summed ones
-        sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)  # (sum, count) per key, samples, failures
-        updated: dict[str, Any] = {}  # each Metric metric_fn returned, as it returned it
-        error, computed, evaluation = None, {}, self.launch.evaluation
-        # Workers evaluate different numbers of chunks: nothing may wait for the others (a gather
-        # in evaluation is refused before the run where there are several).
-        alone = Gathering() if self.global_workers == 1 else Refusing(
-            "sn_trainer.gather was called in evaluation, where each worker evaluates its own chunks: with several "
-            "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
-        try:
-            settings = self.plan.settings
-            for batch, samples in evaluation.eval_chunks(self.global_rank, self.global_workers,
-                                                         settings.eval_batch_size, settings.max_eval_batches):
-                beat("eval")
-                batch = in_layout(batch, settings.channels_last)
-                with gathering(alone):
-                    found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
-                for k, key in enumerate(keys):
-                    value_sum, value_count = found.get(key, (0.0, 0.0))
-                    sums[2 * k] += value_sum
-                    sums[2 * k + 1] += value_count
-                for key in templates:
-                    _hold_metric(updated, key, found.get(key))
-                sums[-2] += samples
-        except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet below
-            error = traceback.format_exc()
-            sums[-1] += 1
+        sums, updated, error = self._evaluate_chunks(keys, beat)
+        computed: dict[str, float] = {}
         beat("sync")
         # Each worker digests all it read of the set, its peers' chunks too: equal where all read one order.
-        summed = self.global_sum(torch.cat([sums, digest_terms(evaluation.eval_digest() if error is None else None)]))
+        digest = self.launch.evaluation.eval_digest() if error is None else None
+        summed = self.global_sum(torch.cat([sums, digest_terms(digest)]))
         sums, read = summed[: len(sums)], summed[len(sums) :]
         same_items = one_digest(read)
         try:
@@ -346,6 +323,40 @@ class Replica:
                   for k, key in enumerate(keys)}  # a metric that counted nothing is NaN, as a mean of nothing is
         return {"eval_samples": int(sums[-2].item()),
                 **{f"eval_{key}": summed[key] if key in summed else computed[key] for key in self.objective.eval_keys}}
+
+    def _evaluate_chunks(self, keys: list[str], beat: Callable[[str], None]
+                         ) -> tuple[torch.Tensor, dict[str, Any], str | None]:
+        """This worker's chunks of the evaluation set: the ``(sum, count)`` of each of ``keys``, then
+        its samples and failures; each Metric metric_fn updated (as it returned it); the traceback
+        of a failure (the peers must still meet after it)."""
+        templates = self.objective.metric_templates
+        sums = torch.zeros(2 * len(keys) + 2, dtype=torch.float64)
+        updated: dict[str, Any] = {}
+        # Workers evaluate different numbers of chunks: nothing may wait for the others (a gather
+        # in evaluation is refused before the run where there are several).
+        alone = Gathering() if self.global_workers == 1 else Refusing(
+            "sn_trainer.gather was called in evaluation, where each worker evaluates its own chunks: with several "
+            "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
+        try:
+            settings = self.plan.settings
+            for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
+                                                                     settings.eval_batch_size,
+                                                                     settings.max_eval_batches):
+                beat("eval")
+                batch = in_layout(batch, settings.channels_last)
+                with gathering(alone):
+                    found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
+                for k, key in enumerate(keys):
+                    value_sum, value_count = found.get(key, (0.0, 0.0))
+                    sums[2 * k] += value_sum
+                    sums[2 * k + 1] += value_count
+                for key in templates:
+                    _hold_metric(updated, key, found.get(key))
+                sums[-2] += samples
+        except Exception:  # noqa: BLE001 - reported with its traceback; the peers must still meet
+            sums[-1] += 1
+            return sums, updated, traceback.format_exc()
+        return sums, updated, None
 
     def _computed_metrics(self, updated: dict[str, Any]) -> dict[str, float]:
         """Each torchmetrics Metric's value, by name, from every worker's states (a worker that
