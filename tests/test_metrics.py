@@ -104,8 +104,8 @@ def classification(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, (x[:, :3].argmax(1) + (torch.rand(n, generator=g) < 0.3)) % CLASSES)
 
 
-def f1_metric_fn():
-    f1 = MulticlassF1Score(num_classes=CLASSES)
+def f1_metric_fn(**options):
+    f1 = MulticlassF1Score(num_classes=CLASSES, **options)
 
     def metric_fn(model, batch):
         inputs, targets = batch
@@ -203,20 +203,9 @@ def test_a_metric_merged_by_a_mean_is_refused_over_workers_and_computed_alone():
     assert found["eval_batch_mean"] == pytest.approx(reference.compute().item(), rel=1e-12)
 
 
-def per_class_f1():
-    f1 = MulticlassF1Score(num_classes=CLASSES, average=None)
-
-    def metric_fn(model, batch):
-        inputs, targets = batch
-        f1.update(model(inputs), targets)
-        return {"f1": f1}
-
-    return metric_fn
-
-
 def test_a_metric_of_several_numbers_is_refused_in_one_line():
     with pytest.raises(ConfigError) as caught:
-        Trainer(workers=1).evaluate(SmallConvNet(), tiny_dataset(n=10), metric_fn=per_class_f1())
+        Trainer(workers=1).evaluate(SmallConvNet(), tiny_dataset(n=10), metric_fn=f1_metric_fn(average=None))
     message = str(caught.value)
     assert "metric_fn's 'f1' (MulticlassF1Score) computes a tensor of shape (3,), not one number" in message
     assert "\n" not in message
