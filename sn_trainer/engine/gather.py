@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import InputError
+from . import by_sums
 
-Sum = Callable[[torch.Tensor], torch.Tensor]  # sums a float64 tensor over the node's workers, in place
-_MAX_DIMS = 8  # dimensions a gathered tensor may have (what the shape exchange carries)
-_EXACT_IN_FLOAT64 = 2 ** 53  # integers that survive the float64 exchange unchanged
 # Every worker computes the same loss from the same gathered bits; only kernels that round
 # differently at another memory alignment may move it, by far less than this.
 _SAME_LOSS = 1e-6
@@ -88,7 +86,7 @@ class StepGathering(Gathering):
     slices through ``sum_in_node`` (each worker's slice in its own rows, zeros elsewhere: the sum is
     the concatenation, the same bits everywhere)."""
 
-    def __init__(self, rank: int, workers: int, sum_in_node: Sum) -> None:
+    def __init__(self, rank: int, workers: int, sum_in_node: by_sums.Sum) -> None:
         super().__init__()
         self.rank, self.workers, self.sum_in_node = rank, workers, sum_in_node
 
@@ -104,27 +102,20 @@ class StepGathering(Gathering):
 
     def _sizes(self, tensor: torch.Tensor) -> list[int]:
         """Every worker's slice size; the same call, dimensions and dtype in all of them, or an error."""
-        shapes = torch.zeros(self.workers, 3 + _MAX_DIMS, dtype=torch.float64)
-        shapes[self.rank, :3] = torch.tensor([self.calls, tensor.dim(), _DTYPES.index(tensor.dtype)])
-        shapes[self.rank, 3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.float64)
-        self.sum_in_node(shapes)
-        mine = shapes[self.rank].clone()
-        mine[3] = 0.0
-        for rank, theirs in enumerate(shapes):
-            theirs = theirs.clone()
-            theirs[3] = 0.0
-            if not torch.equal(theirs, mine):
+        rows = by_sums.headers(tensor, [self.calls], self.rank, self.workers, self.sum_in_node)
+        beyond = [(row[:3].tolist(), by_sums.shape_of(row, 1)[1:]) for row in rows]  # all but the batch's size
+        for rank, theirs in enumerate(beyond):
+            if theirs != beyond[self.rank]:
                 raise InputError(f"sn_trainer.gather call {self.calls}: worker {rank} gathers "
-                                 f"{_describe(shapes[rank])}, worker {self.rank} {_describe(shapes[self.rank])}; "
+                                 f"{_describe(rows[rank])}, worker {self.rank} {_describe(rows[self.rank])}; "
                                  "every worker must gather the same tensors in the same order, alike beyond "
                                  "dimension 0 (the batch)")
-        return [int(n) for n in shapes[:, 3].tolist()]
+        return [by_sums.shape_of(row, 1)[0] for row in rows]
 
     def _exchange(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        start = sum(sizes[: self.rank])
-        rows = torch.zeros((sum(sizes), *tensor.shape[1:]), dtype=torch.float64)
-        rows[start : start + sizes[self.rank]] = tensor
-        return self.sum_in_node(rows).to(tensor.dtype)
+        row = by_sums.numel(tuple(tensor.shape[1:]))
+        values = by_sums.concatenated(tensor, self.rank, [n * row for n in sizes], self.sum_in_node)
+        return values.reshape(sum(sizes), *tensor.shape[1:]).to(tensor.dtype)
 
     def terms(self, loss: torch.Tensor, samples: int) -> tuple[torch.Tensor, float]:
         """``(loss, 1)``: each worker's micro-batch counted once (see the module's docstring).
@@ -162,24 +153,18 @@ class _Gather(torch.autograd.Function):
         return grad[ctx.start : ctx.stop] * ctx.workers, None, None
 
 
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
-
-
 def _check(tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         raise InputError(f"sn_trainer.gather takes a tensor whose dimension 0 is the batch, got "
                          f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
-    if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
-        raise InputError(f"sn_trainer.gather takes a float, integer or bool tensor of at most {_MAX_DIMS} "
-                         f"dimensions, got {tensor.dtype} of {tensor.dim()}")
-    if tensor.dtype == torch.int64 and tensor.numel() and tensor.abs().max().item() >= _EXACT_IN_FLOAT64:
-        raise InputError("sn_trainer.gather exchanges integers through float64: values must stay below 2**53")
+    problem = by_sums.problem(tensor)
+    if problem:
+        raise InputError(f"sn_trainer.gather takes a CPU float, integer or bool tensor of at most {by_sums.MAX_DIMS} "
+                         f"dimensions with integers up to 2**53 (the exchange is through float64), but {problem}")
 
 
 def _describe(row: torch.Tensor) -> str:
-    dims = int(row[1].item())
-    return f"{_DTYPES[int(row[2].item())]} of shape {tuple(int(n) for n in row[3 : 3 + dims].tolist())}"
+    return f"{by_sums.dtype_of(row, 1)} of shape {by_sums.shape_of(row, 1)}"
 
 
 _current: contextvars.ContextVar[Gathering | None] = contextvars.ContextVar("sn_trainer_gathering", default=None)

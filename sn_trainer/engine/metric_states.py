@@ -11,7 +11,6 @@ the user's code imported it.
 from __future__ import annotations
 
 import copyreg
-import math
 import pickle
 import sys
 import warnings
@@ -21,14 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from . import by_sums
 
-# How states travel: each worker's values in its own place of a float64 tensor that is summed,
-# so every addition is of a zero and exact. float64 holds every value of these dtypes exactly
-# (integers up to 2**53).
-_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-           torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_MAX_DIMS = 8
-_EXACT_INTEGERS = 2 ** 53
 # The reductions whose merge is what one process computes over all the chunks. A "cat" state is
 # concatenated in rank order: a map-style set's order, as its workers hold contiguous slices of it;
 # a stream's chunks go round-robin, so there it holds the same rows in another order.
@@ -145,8 +138,7 @@ def as_number(value: Any, metric, what: str) -> float:
                     "name in metric_fn's dict (e.g. average='macro' for one F1 over the classes)")
 
 
-def gather_by_sums(tensor: torch.Tensor, rank: int, world: int,
-                   global_sum: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def gather_by_sums(tensor: torch.Tensor, rank: int, world: int, global_sum: by_sums.Sum) -> list[torch.Tensor]:
     """Every worker's ``tensor``, in rank order, through two float64 sums (every worker calls it
     with the tensor of the same state). Tensors may differ in shape (a concatenated state); the
     empty ones are then left out.
@@ -154,38 +146,16 @@ def gather_by_sums(tensor: torch.Tensor, rank: int, world: int,
     Raises:
         TypeError: a worker's tensor cannot travel exactly (every worker raises it).
     """
-    problem = _problem(tensor)
-    meta = torch.zeros(world, 3 + _MAX_DIMS, dtype=torch.float64)
-    meta[rank, 0] = 1.0 if problem else 0.0
-    if not problem:
-        meta[rank, 1] = _DTYPES.index(tensor.dtype)
-        meta[rank, 2] = tensor.dim()
-        meta[rank, 3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.float64)
-    global_sum(meta)
-    if meta[:, 0].any():
+    problem = by_sums.problem(tensor)
+    rows = by_sums.headers(None if problem else tensor, [1.0 if problem else 0.0], rank, world, global_sum)
+    if rows[:, 0].any():
         raise TypeError(f"a metric state cannot be merged exactly: {problem or 'so in another worker'}")
-    shapes = [tuple(int(n) for n in row[3 : 3 + int(row[2])]) for row in meta]
-    sizes = [math.prod(shape) for shape in shapes]
-    offsets = [sum(sizes[:r]) for r in range(world)]
-    values = torch.zeros(sum(sizes), dtype=torch.float64)
-    values[offsets[rank] : offsets[rank] + sizes[rank]] = tensor.detach().reshape(-1).to(torch.float64)
-    if values.numel():
-        global_sum(values)
-    pieces = [values[offsets[r] : offsets[r] + sizes[r]].to(_DTYPES[int(meta[r, 1])]).reshape(shapes[r])
+    shapes = [by_sums.shape_of(row, 1) for row in rows]
+    numels = [by_sums.numel(shape) for shape in shapes]
+    values = by_sums.concatenated(tensor, rank, numels, global_sum)
+    offsets = [sum(numels[:r]) for r in range(world)]
+    pieces = [values[offsets[r] : offsets[r] + numels[r]].to(by_sums.dtype_of(rows[r], 1)).reshape(shapes[r])
               for r in range(world)]
     if len(set(shapes)) > 1:  # a concatenated state: an empty piece adds nothing (and may carry another dtype)
         pieces = [piece for piece in pieces if piece.numel()] or pieces[:1]
     return pieces
-
-
-def _problem(tensor: torch.Tensor) -> str | None:
-    if tensor.dtype not in _DTYPES:
-        return f"its dtype is {tensor.dtype}"
-    if tensor.dim() > _MAX_DIMS:
-        return f"it has {tensor.dim()} dimensions"
-    if tensor.device.type != "cpu":
-        return f"it is on {tensor.device}"
-    if not tensor.is_floating_point() and tensor.numel() and tensor.dtype != torch.bool \
-            and int(tensor.abs().max()) > _EXACT_INTEGERS:
-        return "it holds integers beyond 2**53"
-    return None
