@@ -319,6 +319,6 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.reshape(())
     if isinstance(value, (int, float)):
-        return torch.tensor(float(value))
+        return torch.tensor(float(value), dtype=torch.float64)  # a Python float is a double
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
     raise TypeError(f"{what} must give a scalar loss (a one-element tensor), got {shape}")
