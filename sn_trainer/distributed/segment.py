@@ -53,7 +53,7 @@ class Segment:
         words = 2 * world_size + 2 * world_size * HEADER_WORDS
         self._data_offset = (words * 8 + 4095) // 4096 * 4096
         size = self._data_offset + 2 * world_size * slot_bytes
-        self._map = _map_through_store(store, rank, world_size, size)
+        self.path, self._map = _map_through_store(store, rank, world_size, size)  # the path: already unlinked
         ints = np.frombuffer(self._map, dtype=np.int64, count=words)
         self._pids = ints[:world_size]
         self._arrivals = ints[world_size : 2 * world_size]
@@ -107,18 +107,19 @@ class Segment:
             pass
 
 
-def _map_through_store(store, rank: int, world_size: int, size: int) -> mmap.mmap:
+def _map_through_store(store, rank: int, world_size: int, size: int) -> tuple[str, mmap.mmap]:
     """Rank 0 creates the file, all map it, rank 0 unlinks it once every rank has it mapped (the
     last rank to map it says so in the store; rank 0 waits for that within the store's timeout)."""
     path = None
     try:
         if rank == 0:
-            path = f"/dev/shm/sn-{secrets.token_hex(12)}"
+            path = name = f"/dev/shm/sn-{secrets.token_hex(12)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, size)
             store.set("sn/segment", path)
         else:
-            fd = os.open(store.get("sn/segment").decode(), os.O_RDWR)
+            name = store.get("sn/segment").decode()
+            fd = os.open(name, os.O_RDWR)
         try:
             mapped = mmap.mmap(fd, size)
         finally:
@@ -127,7 +128,7 @@ def _map_through_store(store, rank: int, world_size: int, size: int) -> mmap.mma
             store.set("sn/all-mapped", "1")
         if rank == 0:
             store.wait(["sn/all-mapped"])
-        return mapped
+        return name, mapped
     finally:
         if path is not None:
             os.unlink(path)
