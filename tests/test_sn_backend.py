@@ -251,10 +251,38 @@ def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_train
 
 # --- faults ------------------------------------------------------------------------------------
 
-def dies_inside(rank: int, world: int, store: str, out_dir: str) -> None:
-    """Every rank all-reduces over and over; the last one exits abruptly partway through one of them."""
+def faults(rank: int, world: int, store: str, out_dir: str, released) -> None:
+    """Tensors and collectives that differ between the ranks; then the last rank exits abruptly partway
+    through one of a stream of all-reduces; then, in a group of the two others, rank 1 never comes."""
     init(rank, world, store, timeout_s=60.0)
-    segment = dist.group.WORLD._segment.path
+    outcome = {"segment": dist.group.WORLD._segment.path, "refused": []}
+    calls = [lambda: dist.all_reduce(torch.ones(10 + rank)),
+             lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64)),
+             lambda: dist.all_reduce(torch.ones(10)) if rank else dist.broadcast(torch.ones(10), src=0),
+             lambda: dist.all_gather_into_tensor(torch.empty(world * (5 + rank)), torch.ones(5 + rank))]
+    for call in calls:
+        try:
+            call()
+        except Exception as error:
+            outcome["refused"].append(f"{type(error).__name__}: {error}")
+    tensor = torch.arange(6.0)
+    dist.all_reduce(tensor)  # still in step after the refused collectives
+    outcome["after"] = tensor.tolist()
+    pair = dist.new_group([0, 1], backend="sn", timeout=datetime.timedelta(seconds=3))
+    outcome["died"] = died(rank, world)
+    if rank == 1:
+        released.wait(60)
+    else:
+        try:
+            dist.all_reduce(torch.ones(3), group=pair)
+        except Exception as error:
+            outcome["late"] = f"{type(error).__name__}: {error}"
+        released.set()
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def died(rank: int, world: int) -> tuple[str, float]:
+    """All-reduce over and over until a peer is gone (the last rank exits after a moment)."""
     tensor = torch.ones(4000)
     if rank == world - 1:
         threading.Timer(0.3, os._exit, args=(3,)).start()
@@ -264,62 +292,29 @@ def dies_inside(rank: int, world: int, store: str, out_dir: str) -> None:
             dist.all_reduce(tensor)
             tensor.fill_(1.0)
     except Exception as error:
-        torch.save({"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started,
-                    "segment": segment}, os.path.join(out_dir, f"rank{rank}.pt"))
+        return f"{type(error).__name__}: {error}", time.monotonic() - started
 
 
-def test_a_rank_that_dies_inside_a_collective_makes_the_others_raise_naming_it(tmp_path):
+def test_a_dead_a_late_and_a_mismatched_rank_are_each_a_clear_error_naming_the_rank(tmp_path):
     world = 3
-    codes = run_ranks(dies_inside, world, tmp_path, timeout_s=90.0)
-    assert codes == [0, 0, 3]
-    for rank in range(world - 1):
-        outcome = torch.load(tmp_path / f"rank{rank}.pt")
-        assert f"CollectiveFailed: sn backend: rank {world - 1} (pid " in outcome["error"]
-        assert "died" in outcome["error"]
-        assert outcome["seconds"] < 30.0  # well inside the group's 60 s timeout: death is seen, not waited out
-        assert not os.path.exists(outcome["segment"])
-
-
-def mismatched_then_late(rank: int, world: int, store: str, out_dir: str, released) -> None:
-    """Sizes, then dtypes, then collectives that differ between the ranks; then rank 1 never comes."""
-    init(rank, world, store, timeout_s=3.0)
-    errors = []
-    calls = [lambda: dist.all_reduce(torch.ones(10 + rank)),
-             lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64)),
-             lambda: dist.all_reduce(torch.ones(10)) if rank else dist.broadcast(torch.ones(10), src=0),
-             lambda: dist.all_gather_into_tensor(torch.empty(world * (5 + rank)), torch.ones(5 + rank))]
-    for call in calls:
-        try:
-            call()
-            errors.append(None)
-        except Exception as error:
-            errors.append(f"{type(error).__name__}: {error}")
-    tensor = torch.arange(6.0)
-    dist.all_reduce(tensor)  # still in step after refused collectives
-    errors.append(tensor.tolist())
-    if rank == 1:
-        released.wait(60)
-    else:
-        try:
-            dist.all_reduce(torch.ones(3))
-        except Exception as error:
-            errors.append(f"{type(error).__name__}: {error}")
-        released.set()
-    torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def test_mismatched_tensors_are_a_clear_error_and_a_late_rank_times_out_naming_it(tmp_path):
     released = multiprocessing.get_context("spawn").Event()
-    codes = run_ranks(mismatched_then_late, 2, tmp_path, extra=(released,))
-    assert codes == [0, 0]
-    first, second = results(tmp_path, 2)
-    for errors in (first, second):
-        assert "float32[11]" in errors[0] and "float32[10]" in errors[0] and "differently" in errors[0]
-        assert "float64[10]" in errors[1] and "float32[10]" in errors[1]
-        assert "broadcast" in errors[2] and "all_reduce" in errors[2]
-        assert "all_gather" in errors[3] and "[6]" in errors[3]
-        assert errors[4] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
-    assert first[5].startswith("CollectiveFailed: sn backend: rank 0 waited 3 s for rank(s) 1")
+    codes = run_ranks(faults, world, tmp_path, extra=(released,))
+    assert codes == [0, 0, 3]
+    assert [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))] == []
+    outcomes = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world - 1)]
+    for outcome in outcomes:
+        refused = outcome["refused"]
+        assert len(refused) == 4 and all(r.startswith("CollectiveFailed: sn backend: the ranks called") for r in refused)
+        assert "float32[10]" in refused[0] and "float32[11]" in refused[0] and "float32[12]" in refused[0]
+        assert "float64[10]" in refused[1] and "float32[10]" in refused[1]
+        assert "broadcast" in refused[2] and "all_reduce" in refused[2]
+        assert "all_gather" in refused[3] and "[6]" in refused[3]
+        assert outcome["after"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+        message, seconds = outcome["died"]
+        assert message.startswith(f"CollectiveFailed: sn backend: rank {world - 1} (pid ") and "died" in message
+        assert seconds < 30.0  # well inside the group's 60 s timeout: the death is seen, not waited out
+        assert not os.path.exists(outcome["segment"])  # unlinked as soon as every rank had mapped it
+    assert outcomes[0]["late"].startswith("CollectiveFailed: sn backend: rank 0 waited 3 s for rank(s) 1")
 
 
 def test_a_group_across_machines_is_refused_in_one_line():
