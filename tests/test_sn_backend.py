@@ -90,46 +90,58 @@ def results(tmp_path, world: int) -> list[dict]:
 # --- every collective, op and dtype, and DDP ---------------------------------------------------
 
 def all_collectives(rank: int, world: int, store: str, out_dir: str) -> None:
+    """Every check in the group of all ``world`` ranks, then in the group of ranks 0 and 1 (the same
+    processes: a group of two for the price of no start-up)."""
     init(rank, world, store)
-    got: dict = {"segment": dist.group.WORLD._segment.path}
+    pair, gloo_all, gloo_pair = (dist.new_group([0, 1], backend="sn"), dist.new_group(backend="gloo"),
+                                 dist.new_group([0, 1], backend="gloo"))
+    got = {world: checks(rank, world, None, gloo_all)}
+    if rank < 2:
+        got[2] = checks(rank, 2, pair, gloo_pair)
+    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def checks(rank: int, size: int, group, gloo_group) -> dict:
+    got: dict = {"segment": (group or dist.group.WORLD)._segment.path}
     for dtype in DTYPES:
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
                 continue
             tensor = inputs(rank, dtype)
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
             got[("all_reduce", dtype, op)] = tensor
         tensor = inputs(rank, dtype)
-        dist.broadcast(tensor, src=world - 1)
+        dist.broadcast(tensor, src=size - 1, group=group)
         got[("broadcast", dtype)] = tensor
-        parts = [torch.empty(NUMEL, dtype=dtype) for _ in range(world)]
-        dist.all_gather(parts, inputs(rank, dtype))
+        parts = [torch.empty(NUMEL, dtype=dtype) for _ in range(size)]
+        dist.all_gather(parts, inputs(rank, dtype), group=group)
         got[("all_gather", dtype)] = torch.stack(parts)
-        into = torch.empty(world * NUMEL, dtype=dtype)
-        dist.all_gather_into_tensor(into, inputs(rank, dtype))
+        into = torch.empty(size * NUMEL, dtype=dtype)
+        dist.all_gather_into_tensor(into, inputs(rank, dtype), group=group)
         got[("all_gather_into_tensor", dtype)] = into
         for op in ("SUM", "MAX"):
             scattered = torch.empty(NUMEL, dtype=dtype)
-            dist.reduce_scatter_tensor(scattered, inputs(rank, dtype, NUMEL * world), op=getattr(dist.ReduceOp, op))
+            dist.reduce_scatter_tensor(scattered, inputs(rank, dtype, NUMEL * size), op=getattr(dist.ReduceOp, op),
+                                       group=group)
             got[("reduce_scatter", dtype, op)] = scattered
-    got.update(odd_shapes(rank))
-    dist.barrier()
-    got["ddp sn"], got["ddp gloo"] = ddp_steps(rank, None), ddp_steps(rank, dist.new_group(backend="gloo"))
-    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    got.update(odd_shapes(rank, group))
+    dist.barrier(group=group)
+    got["ddp sn"], got["ddp gloo"] = ddp_steps(rank, group), ddp_steps(rank, gloo_group)
+    return got
 
 
-def odd_shapes(rank: int) -> dict:
+def odd_shapes(rank: int, group) -> dict:
     """A transposed (non-contiguous) tensor, an empty one, coalesced tensors, and send/recv (gloo's)."""
     got = {}
     transposed = inputs(rank, torch.float64, 12).view(3, 4).t()
-    dist.all_reduce(transposed)
+    dist.all_reduce(transposed, group=group)
     got["transposed"] = transposed
     empty = torch.empty(0)
-    dist.all_reduce(empty)
+    dist.all_reduce(empty, group=group)
     got["empty"] = empty
     pair = [inputs(rank, torch.float64, 5, salt=1), inputs(rank, torch.float64, 7, salt=2)]
-    dist.group.WORLD.allreduce_coalesced(pair, dist.AllreduceCoalescedOptions()).wait()
+    (group or dist.group.WORLD).allreduce_coalesced(pair, dist.AllreduceCoalescedOptions()).wait()
     got["coalesced"] = pair
     records = []
     handler = logging.Handler()
@@ -139,9 +151,10 @@ def odd_shapes(rank: int) -> dict:
     message = torch.arange(3.0) if rank == 0 else torch.zeros(3)
     for _ in range(2):
         if rank == 0:
-            dist.send(message, dst=1)
+            dist.send(message, dst=1, group=group)
         elif rank == 1:
-            dist.recv(message, src=0)
+            dist.recv(message, src=0, group=group)
+    logging.getLogger("sn_trainer").removeHandler(handler)
     got["recv"], got["gloo notes"] = message, [r.getMessage() for r in records]
     return got
 
@@ -229,24 +242,25 @@ def check_odd_shapes(ranks: list[dict], world: int) -> None:
         "sn backend: send is not implemented in shared memory; gloo on the same store runs it"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(world, tmp_path):
-    codes = run_ranks(all_collectives, world, tmp_path)
-    ranks = results(tmp_path, world)
-    assert codes == [0] * world
-    for key, value in ranks[0].items():
-        for other in ranks[1:]:
-            if isinstance(value, torch.Tensor) and key[0] != "reduce_scatter" and key != "recv":  # each rank its own
-                assert bitwise(other[key], value), key
-    check_reductions(ranks, world)
-    check_movements(ranks, world)
-    check_odd_shapes(ranks, world)
-    plain = plain_steps(world)
-    for rank in range(world):
-        for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
-            assert (sn - gloo).abs().max().item() < 1e-12
-            assert (sn - reference).abs().max().item() < 1e-12
-    assert not os.path.exists(ranks[0]["segment"])  # unlinked as soon as every rank had mapped it
+def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(tmp_path):
+    codes = run_ranks(all_collectives, 3, tmp_path)
+    assert codes == [0, 0, 0]
+    saved = results(tmp_path, 3)
+    for size in (3, 2):
+        ranks = [saved[rank][size] for rank in range(size)]
+        for key, value in ranks[0].items():
+            for other in ranks[1:]:
+                if isinstance(value, torch.Tensor) and key[0] != "reduce_scatter" and key != "recv":  # each its own
+                    assert bitwise(other[key], value), (size, key)
+        check_reductions(ranks, size)
+        check_movements(ranks, size)
+        check_odd_shapes(ranks, size)
+        plain = plain_steps(size)
+        for rank in range(size):
+            for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
+                assert (sn - gloo).abs().max().item() < 1e-12
+                assert (sn - reference).abs().max().item() < 1e-12
+        assert not os.path.exists(ranks[0]["segment"])  # unlinked as soon as every rank had mapped it
 
 
 # --- faults ------------------------------------------------------------------------------------
