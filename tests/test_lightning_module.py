@@ -1,0 +1,202 @@
+"""A LightningModule handed to ``Trainer.fit``: its own training_step, configure_optimizers,
+validation_step with ``self.log`` and hooks, against its own plain loop and Lightning's Trainer.
+
+The reference loop calls the same module's training_step on each global batch (from torch's own
+DataLoader), steps its optimizer and steps its scheduler where Lightning would; parameters are
+compared in float64 at 1e-10 relative (``assert_exact``).
+"""
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import assert_exact, plain_batches
+from sn_trainer import ConfigError, Trainer
+
+L = pytest.importorskip("lightning.pytorch")
+
+pytestmark = pytest.mark.timeout(180)
+F64 = torch.float64
+
+
+def regression_set(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g, dtype=F64)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin() + 0.1 * torch.randn(n, 1, generator=g, dtype=F64))
+
+
+class Regression(L.LightningModule):
+    """A loss weighed by the batch's index in its epoch (a wrong batch_idx shows), a dict with
+    "loss", SGD with momentum and a StepLR stepped per step, two metrics logged in validation."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).to(F64)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y) * (1 + 0.1 * batch_idx)
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", F.mse_loss(self(x), y))
+        self.log("val_mae", F.l1_loss(self(x), y), prog_bar=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_end(self):
+        self.ended_after = self.global_step
+
+
+def its_own_loop(module, dataset, batch_size, steps, seed):
+    """The module trained as Lightning trains it: training_step(batch, batch_idx) on each global
+    batch, backward, the optimizer's step, then the scheduler's (interval "step")."""
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    per_epoch = len(dataset) // batch_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Lightning Trainer warns
+        for step, batch in zip(range(steps), plain_batches(dataset, batch_size, seed)):
+            optimizer.zero_grad(set_to_none=True)
+            module.training_step(batch, step % per_epoch)["loss"].backward()
+            optimizer.step()
+            scheduler.step()
+    return module
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_its_training_step_optimizer_and_scheduler_are_exact(workers):
+    train, held_out = regression_set(30, 1), regression_set(11, 2)
+    module = Regression()
+    reference = its_own_loop(copy.deepcopy(module), train, batch_size=7, steps=6, seed=3)
+    result = Trainer(workers=workers, batch_size=7, max_steps=6, seed=3, eval_batch_size=4).fit(
+        module, train, eval_set=held_out)
+    assert_exact(module, reference)  # 4 steps an epoch: step 5 and 6 are batch_idx 0 and 1 again
+    x, y = held_out.tensors
+    with torch.no_grad():
+        assert result.eval_metrics["eval_val_mse"] == pytest.approx(F.mse_loss(reference(x), y).item(), rel=1e-10)
+        assert result.eval_metrics["eval_val_mae"] == pytest.approx(F.l1_loss(reference(x), y).item(), rel=1e-10)
+    assert module.ended_after == 6  # on_train_end ran on the trained model, after the last step
+
+
+class Stepping(L.LightningModule):
+    """Uses what Lightning's Trainer tells a module (batch_idx, current_epoch, global_step) and
+    configure_optimizers' ([optimizers], [schedulers]) form, whose scheduler steps per epoch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).to(F64)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y) * (1 + 0.1 * batch_idx + 0.2 * self.current_epoch + 0.01 * self.global_step)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.02)
+        return [optimizer], [torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)]
+
+
+def test_equals_lightnings_own_trainer():
+    train = regression_set(24, 4)
+    module, theirs = Stepping(), Stepping()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=9, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(
+        theirs, DataLoader(train, batch_size=6, shuffle=False, drop_last=True))
+    Trainer(workers=1, batch_size=6, max_steps=9, shuffle=False).fit(module, train)
+    assert_exact(module, theirs)  # 4 steps an epoch: epochs 0, 1 and 2, the learning rate halved after each
+
+
+def test_evaluate_uses_its_training_step_and_validation_step():
+    module, held_out = Regression(), regression_set(13, 5)
+    metrics = Trainer(workers=2, eval_batch_size=4).evaluate(module, held_out)
+    x, y = held_out.tensors
+    with torch.no_grad():
+        assert metrics["eval_val_mse"] == pytest.approx(F.mse_loss(module(x), y).item(), rel=1e-10)
+        assert metrics["eval_val_mae"] == pytest.approx(F.l1_loss(module(x), y).item(), rel=1e-10)
+
+
+class TwoOptimizers(L.LightningModule):
+    """A GAN's shape under Lightning: manual optimization, D then G."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.d, self.g = nn.Linear(4, 1).to(F64), nn.Linear(4, 4).to(F64)
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        x, _ = batch
+        loss_d = F.softplus(-self.d(x)).mean() + F.softplus(self.d(self.g(x).detach())).mean()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g = F.softplus(-self.d(self.g(x))).mean()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.d.parameters()), torch.optim.Adam(self.g.parameters())]
+
+
+class EpochHook(Regression):
+    def on_train_epoch_end(self):
+        self.seen = True
+
+
+class ClipsItself(Regression):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, 1.0)
+
+
+class ReadsItsTrainer(Regression):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)["loss"] / self.trainer.max_epochs
+
+
+@pytest.mark.parametrize("module, refusal", [
+    (TwoOptimizers(), r"uses manual optimization .* sn_trainer\.Phase"),
+    (EpochHook(), r"EpochHook\.on_train_epoch_end has no counterpart .* sn_trainer\.Callback"),
+    (ClipsItself(), r"ClipsItself\.configure_gradient_clipping has no counterpart .*Trainer\(clip_grad_norm=\.\.\.\)"),
+])
+def test_what_does_not_map_is_refused_in_one_line(module, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        Trainer(workers=2, batch_size=6, max_steps=2).fit(module, regression_set(12, 1))
+
+
+def test_a_trainer_attribute_it_reads_is_named():
+    with pytest.raises(ConfigError, match=r"reads self\.trainer\.max_epochs, and no Lightning Trainer runs here"):
+        Trainer(workers=2, batch_size=6, max_steps=2).fit(ReadsItsTrainer(), regression_set(12, 1))
+
+
+def test_fit_arguments_beside_its_own_steps_are_refused():
+    with pytest.raises(ConfigError, match=r"leave out step_fn, optimizer"):
+        Trainer(workers=1, batch_size=6, max_steps=2).fit(Regression(), regression_set(12, 1),
+                                                          step_fn=lambda m, b: m(b[0]).mean(),
+                                                          optimizer=torch.optim.SGD)
+
+
+def test_a_plain_module_never_imports_lightning():
+    code = ("import sys, torch; from sn_trainer import Trainer; from sn_trainer.fit import lightning; "
+            "assert lightning.lightning_root(torch.nn.Linear(2, 2)) is None; "
+            "assert not [m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
