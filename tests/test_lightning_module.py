@@ -32,8 +32,9 @@ def regression_set(n: int, seed: int) -> TensorDataset:
 
 
 class Regression(L.LightningModule):
-    """A loss weighed by the batch's index in its epoch (a wrong batch_idx shows), a dict with
-    "loss", SGD with momentum and a StepLR stepped per step, two metrics logged in validation."""
+    """A loss weighed by the batch's index in its epoch (a wrong batch_idx shows) and by what
+    on_fit_start set, a dict with "loss", SGD with momentum and a StepLR stepped per step, two
+    metrics logged in validation, and on_train_end reading global_step."""
 
     def __init__(self):
         super().__init__()
@@ -45,7 +46,7 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self(x), y) * (1 + 0.1 * batch_idx)
+        loss = F.mse_loss(self(x), y) * (1 + 0.1 * batch_idx) * self.scale
         self.log("train_loss", loss)
         return {"loss": loss}
 
@@ -59,6 +60,9 @@ class Regression(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_fit_start(self):
+        self.scale = 0.5  # set before the workers start: they train with it
+
     def on_train_end(self):
         self.ended_after = self.global_step
 
@@ -67,6 +71,7 @@ def its_own_loop(module, dataset, batch_size, steps, seed):
     """The module trained as Lightning trains it: training_step(batch, batch_idx) on each global
     batch, backward, the optimizer's step, then the scheduler's (interval "step")."""
     config = module.configure_optimizers()
+    module.on_fit_start()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     per_epoch = len(dataset) // batch_size
     with warnings.catch_warnings():
@@ -127,6 +132,7 @@ def test_equals_lightnings_own_trainer():
 
 def test_evaluate_uses_its_training_step_and_validation_step():
     module, held_out = Regression(), regression_set(13, 5)
+    module.scale = 1.0  # an evaluation calls no fit hooks
     metrics = Trainer(workers=2, eval_batch_size=4).evaluate(module, held_out)
     x, y = held_out.tensors
     with torch.no_grad():

@@ -36,7 +36,8 @@ from .resolve import FitInputs
 log = logging.getLogger(__name__)
 
 _ROOTS = ("lightning.pytorch", "pytorch_lightning")
-# Hooks a fit calls before the workers start, in Lightning's order, and after training ends.
+# Hooks a fit calls before the workers start, in Lightning's order (configure_optimizers after the
+# first three), and after training ends.
 BEFORE = ("prepare_data", "setup", "configure_model", "on_fit_start", "on_train_start")
 AFTER = ("on_train_end", "on_fit_end", "teardown")
 _WITH_STAGE = ("setup", "teardown")
@@ -98,8 +99,10 @@ def adapt(given: FitInputs) -> tuple[FitInputs, list[Callback]]:
                           f"validation_step make the step, optimizer, scheduler and metrics; leave out "
                           f"{', '.join(both)} (or pass a plain nn.Module with them)")
     _check_module(model, root, given.eval_set is not None)
+    for hook in BEFORE[:3]:  # what builds the module comes before configure_optimizers, as in Lightning
+        call_hook(model, hook)
     config = lightning_optimizers(model, root)
-    for hook in BEFORE:
+    for hook in BEFORE[3:]:
         call_hook(model, hook)
     log.info("LightningModule %s: training_step, configure_optimizers (%s%s)%s; what training_step logs with "
              "self.log is not collected (the run reports each step's loss)", type(model).__name__,
