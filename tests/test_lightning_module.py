@@ -60,8 +60,14 @@ class Regression(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def setup(self, stage):
+        self.stages = [stage]
+
     def on_fit_start(self):
         self.scale = 0.5  # set before the workers start: they train with it
+
+    def teardown(self, stage):
+        self.stages.append(f"teardown {stage}")
 
     def on_train_end(self):
         self.ended_after = self.global_step
@@ -97,6 +103,7 @@ def test_its_training_step_optimizer_and_scheduler_are_exact(workers):
         assert result.eval_metrics["eval_val_mse"] == pytest.approx(F.mse_loss(reference(x), y).item(), rel=1e-10)
         assert result.eval_metrics["eval_val_mae"] == pytest.approx(F.l1_loss(reference(x), y).item(), rel=1e-10)
     assert module.ended_after == 6  # on_train_end ran on the trained model, after the last step
+    assert module.stages == ["fit", "teardown fit"]
 
 
 class Stepping(L.LightningModule):
@@ -164,6 +171,11 @@ class TwoOptimizers(L.LightningModule):
         return [torch.optim.Adam(self.d.parameters()), torch.optim.Adam(self.g.parameters())]
 
 
+class TwoAutomatic(Regression):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
 class EpochHook(Regression):
     def on_train_epoch_end(self):
         self.seen = True
@@ -181,6 +193,7 @@ class ReadsItsTrainer(Regression):
 
 @pytest.mark.parametrize("module, refusal", [
     (TwoOptimizers(), r"uses manual optimization .* sn_trainer\.Phase"),
+    (TwoAutomatic(), r"returned 2 optimizers; with automatic optimization Lightning takes one"),
     (EpochHook(), r"EpochHook\.on_train_epoch_end has no counterpart .* sn_trainer\.Callback"),
     (ClipsItself(), r"ClipsItself\.configure_gradient_clipping has no counterpart .*Trainer\(clip_grad_norm=\.\.\.\)"),
 ])
