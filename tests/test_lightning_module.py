@@ -148,27 +148,61 @@ def test_evaluate_uses_its_training_step_and_validation_step():
 
 
 class TwoOptimizers(L.LightningModule):
-    """A GAN's shape under Lightning: manual optimization, D then G."""
+    """A GAN's shape under Lightning: manual optimization, D's step, then G's on D's new weights."""
 
     def __init__(self):
         super().__init__()
         self.automatic_optimization = False
-        self.d, self.g = nn.Linear(4, 1).to(F64), nn.Linear(4, 4).to(F64)
+        torch.manual_seed(2)
+        self.d, self.g = nn.Linear(4, 1).to(F64), nn.Linear(3, 4).to(F64)
 
     def training_step(self, batch, batch_idx):
         opt_d, opt_g = self.optimizers()
-        x, _ = batch
-        loss_d = F.softplus(-self.d(x)).mean() + F.softplus(self.d(self.g(x).detach())).mean()
+        x, z = batch
+        loss_d = F.softplus(-self.d(x)).mean() + F.softplus(self.d(self.g(z).detach())).mean()
+        opt_d.zero_grad()
         self.manual_backward(loss_d)
         opt_d.step()
-        opt_d.zero_grad()
-        loss_g = F.softplus(-self.d(self.g(x))).mean()
+        loss_g = F.softplus(-self.d(self.g(z))).mean()
+        opt_g.zero_grad()
         self.manual_backward(loss_g)
         opt_g.step()
-        opt_g.zero_grad()
 
     def configure_optimizers(self):
-        return [torch.optim.Adam(self.d.parameters()), torch.optim.Adam(self.g.parameters())]
+        return [torch.optim.SGD(self.d.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.SGD(self.g.parameters(), lr=0.05, momentum=0.5)]
+
+
+def gan_loop(module, dataset, batch_size, steps, seed):
+    """The DCGAN loop of plain PyTorch: D's loss, backward and step, then G's."""
+    d, g = module.d, module.g
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)
+    opt_g = torch.optim.SGD(g.parameters(), lr=0.05, momentum=0.5)
+    for _, (x, z) in zip(range(steps), plain_batches(dataset, batch_size, seed)):
+        opt_d.zero_grad()
+        (F.softplus(-d(x)).mean() + F.softplus(d(g(z).detach())).mean()).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        F.softplus(-d(g(z))).mean().backward()
+        opt_g.step()
+    return module
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_manual_optimization_with_two_optimizers_trains_as_phases_exactly(workers):
+    g = torch.Generator().manual_seed(6)
+    data = TensorDataset(torch.randn(21, 4, generator=g, dtype=F64), torch.randn(21, 3, generator=g, dtype=F64))
+    module = TwoOptimizers()
+    reference = gan_loop(copy.deepcopy(module), data, batch_size=7, steps=4, seed=1)
+    result = Trainer(workers=workers, batch_size=7, max_steps=4, seed=1).fit(module, data)
+    assert_exact(module, reference)
+    assert [phase["name"] for phase in result.plan["phases"]] == ["optimizer0", "optimizer1"]
+
+
+class ManualWithScheduler(TwoOptimizers):
+    def configure_optimizers(self):
+        optimizers = super().configure_optimizers()
+        return optimizers, [torch.optim.lr_scheduler.StepLR(optimizers[0], 1)]
 
 
 class TwoAutomatic(Regression):
@@ -192,7 +226,7 @@ class ReadsItsTrainer(Regression):
 
 
 @pytest.mark.parametrize("module, refusal", [
-    (TwoOptimizers(), r"uses manual optimization .* sn_trainer\.Phase"),
+    (ManualWithScheduler(), r"uses manual optimization with a scheduler, .* sn_trainer\.Phase"),
     (TwoAutomatic(), r"returned 2 optimizers; with automatic optimization Lightning takes one"),
     (EpochHook(), r"EpochHook\.on_train_epoch_end has no counterpart .* sn_trainer\.Callback"),
     (ClipsItself(), r"ClipsItself\.configure_gradient_clipping has no counterpart .*Trainer\(clip_grad_norm=\.\.\.\)"),

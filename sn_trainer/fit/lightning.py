@@ -31,6 +31,7 @@ from torch import nn
 from ..callbacks import Callback
 from ..engine import position
 from ..errors import ConfigError
+from ..phase import Phase
 from .resolve import FitInputs
 
 log = logging.getLogger(__name__)
@@ -101,19 +102,28 @@ def adapt(given: FitInputs) -> tuple[FitInputs, list[Callback]]:
     _check_module(model, root, given.eval_set is not None)
     for hook in BEFORE[:3]:  # what builds the module comes before configure_optimizers, as in Lightning
         call_hook(model, hook)
-    config = lightning_optimizers(model, root)
+    config = lightning_optimizers(model, root) if model.automatic_optimization else manual_phases(model, root)
     for hook in BEFORE[3:]:
         call_hook(model, hook)
-    log.info("LightningModule %s: training_step, configure_optimizers (%s%s)%s; what training_step logs with "
-             "self.log is not collected (the run reports each step's loss)", type(model).__name__,
-             type(config.optimizer).__name__, f", {type(config.schedule['scheduler']).__name__} per "
-             f"{config.schedule['interval']}" if config.schedule else "",
-             ", validation_step's self.log as eval_<name>" if overrides(model, root, "validation_step") else "")
+    metric_fn = ValidationMetrics() if overrides(model, root, "validation_step") else None
+    log.info("LightningModule %s: %s%s; what training_step logs with self.log is not collected (the run reports "
+             "each step's loss)", type(model).__name__, _described(config),
+             ", validation_step's self.log as eval_<name>" if metric_fn is not None else "")
+    if isinstance(config, list):  # manual optimization: a phase per optimizer
+        return dataclasses.replace(given, phases=config, metric_fn=metric_fn), [EndHooks()]
     adapted = dataclasses.replace(
         given, step_fn=TrainingStep(), param_groups=ModuleOptimizer(),
-        scheduler=ModuleScheduler(model) if config.schedule else None,
-        metric_fn=ValidationMetrics() if overrides(model, root, "validation_step") else None)
+        scheduler=ModuleScheduler(model) if config.schedule else None, metric_fn=metric_fn)
     return adapted, [EndHooks()]
+
+
+def _described(config: OptimizerConfig | list[Phase]) -> str:
+    """What the log says the module trains with."""
+    if isinstance(config, list):
+        return f"manual optimization, training_step once per optimizer as {len(config)} phases in turn"
+    schedule = config.schedule
+    scheduler = f", {type(schedule['scheduler']).__name__} per {schedule['interval']}" if schedule else ""
+    return f"training_step, configure_optimizers ({type(config.optimizer).__name__}{scheduler})"
 
 
 def adapt_evaluation(given: FitInputs) -> FitInputs:
@@ -149,11 +159,6 @@ def _check_module(model: nn.Module, root: str, evaluates: bool) -> None:
     name = type(model).__name__
     if not overrides(model, root, "training_step"):
         raise ConfigError(f"{name} defines no training_step: define it, or pass a plain nn.Module with step_fn=...")
-    if not model.automatic_optimization:
-        raise ConfigError(f"{name} uses manual optimization (automatic_optimization = False: self.optimizers(), "
-                          "manual_backward, opt.step() inside training_step), which sn_trainer cannot split into "
-                          "its steps; write each optimizer's part as an sn_trainer.Phase(step_fn, params, optimizer) "
-                          "and pass the module's forward as a plain model")
     if overrides(model, root, "val_dataloader") and not evaluates:
         raise ConfigError(f"{name}.val_dataloader is not read by sn_trainer: pass its dataset as eval_set=...")
     hooks = importlib.import_module(f"{root}.core.hooks")
@@ -214,11 +219,19 @@ def lightning_optimizers(module: nn.Module, root: str | None = None) -> Optimize
 
 
 class ModuleOptimizer:
-    """fit's ``param_groups``: the optimizer the module's configure_optimizers builds (its class
-    then becomes every worker's optimizer, with its groups' options)."""
+    """fit's ``param_groups`` (or a phase's ``params``): the optimizer the module's
+    configure_optimizers builds, its ``index``-th under manual optimization (its class then
+    becomes every worker's optimizer, with its groups' options)."""
+
+    def __init__(self, index: int | None = None):
+        self.index = index
 
     def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
-        return lightning_optimizers(model).optimizer
+        if self.index is None:
+            return lightning_optimizers(model).optimizer
+        parse = importlib.import_module(f"{lightning_root(model)}.core.optimizer")
+        with standing_in(model):
+            return parse._configure_optimizers(model.configure_optimizers())[0][self.index]
 
 
 class ModuleScheduler:
@@ -346,21 +359,25 @@ class TrainerStandIn:
 
 
 @contextlib.contextmanager
-def standing_in(module: nn.Module, where: position.Position | None = None,
-                logged: Logged | None = None) -> Iterator[None]:
-    """While the block runs, the module's ``self.trainer`` is a ``TrainerStandIn`` at ``where``
-    and its ``self.log`` goes to ``logged`` (None: dropped); both put back after."""
-    trainer, own_log = module.__dict__.get("_trainer"), module.__dict__.get("log")
+def standing_in(module: nn.Module, where: position.Position | None = None, logged: Logged | None = None,
+                methods: dict[str, Any] | None = None) -> Iterator[None]:
+    """While the block runs, the module's ``self.trainer`` is a ``TrainerStandIn`` at ``where``,
+    its ``self.log`` goes to ``logged`` (None: dropped), and each of ``methods`` is the module's
+    method of that name; all put back after."""
+    replaced = {"log": logged.log if logged is not None else _dropped, **(methods or {})}
+    trainer, own = module.__dict__.get("_trainer"), {name: module.__dict__.get(name) for name in replaced}
     module._trainer = TrainerStandIn(where or position.Position(), type(module).__name__)
-    module.log = logged.log if logged is not None else _dropped
+    for name, method in replaced.items():
+        setattr(module, name, method)
     try:
         yield
     finally:
         module._trainer = trainer
-        if own_log is None:
-            del module.log
-        else:
-            module.log = own_log
+        for name, method in own.items():
+            if method is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, method)
 
 
 def _dropped(*args: Any, **kwargs: Any) -> None:
@@ -382,3 +399,105 @@ class EndHooks(Callback):
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         for hook in AFTER:
             call_hook(result._model, hook, position.Position(result.steps, None, 0))
+
+
+# --- manual optimization: one phase per optimizer ------------------------------------------------
+
+
+def manual_phases(module: nn.Module, root: str) -> list[Phase]:
+    """Under manual optimization, a phase per optimizer configure_optimizers returns, in its order:
+    phase k runs training_step up to optimizer k's ``step()``, and trains on what
+    ``manual_backward`` was given since the optimizer before it stepped (the earlier ones' steps
+    the workers made already, before this phase started; the code after is not run).
+
+    Raises:
+        ConfigError: a scheduler (stepped by the module itself, which sn_trainer cannot split).
+    """
+    parse = importlib.import_module(f"{root}.core.optimizer")
+    with standing_in(module):
+        optimizers, schedulers, _ = parse._configure_optimizers(module.configure_optimizers())
+    if schedulers:
+        raise ConfigError(f"{type(module).__name__} uses manual optimization with a scheduler, which its "
+                          "training_step steps itself; sn_trainer cannot step it there: give each optimizer's "
+                          "schedule to an sn_trainer.Phase(step_fn, params, optimizer, scheduler)")
+    count = len(optimizers)
+    return [Phase(ManualStep(k, count), ModuleOptimizer(k), name=f"optimizer{k}") for k in range(count)]
+
+
+class _PhaseLoss(Exception):  # noqa: N818 - not an error: how a phase's loss leaves training_step
+    """Raised at the phase's optimizer's ``step()``, carrying the phase's loss out of training_step."""
+
+    def __init__(self, loss: torch.Tensor):
+        super().__init__()
+        self.loss = loss
+
+
+class _PhasePass:
+    """One run of training_step for phase ``phase``: the losses manual_backward was given since
+    the last optimizer step, and which optimizer must step next."""
+
+    def __init__(self, module_name: str, phase: int):
+        self.module_name, self.phase, self.pending, self.next = module_name, phase, None, 0
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.pending = loss if self.pending is None else self.pending + loss
+
+    def stepped(self, index: int) -> None:
+        if index != self.next:
+            raise ConfigError(f"{self.module_name}.training_step stepped optimizer {index} where optimizer "
+                              f"{self.next} was due: sn_trainer steps each optimizer once a step, in the order "
+                              "configure_optimizers returns them; step them in that order")
+        self.next += 1
+        loss, self.pending = self.pending, None
+        if index == self.phase:
+            if loss is None:
+                raise ConfigError(f"{self.module_name}.training_step stepped optimizer {index} with no "
+                                  "manual_backward before it: call self.manual_backward(loss) first")
+            raise _PhaseLoss(loss)
+
+
+class StandInOptimizer:
+    """What ``self.optimizers()`` gives training_step: ``step()`` ends the phase at its own optimizer
+    and passes over an earlier one's (the workers made it); ``zero_grad()`` does nothing (the
+    workers clear the gradients of each phase)."""
+
+    def __init__(self, index: int, run: _PhasePass):
+        self._index, self._run = index, run
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ConfigError(f"{self._run.module_name}.training_step steps optimizer {self._index} with a closure, "
+                              "which sn_trainer cannot split: compute the loss, manual_backward it, then step()")
+        self._run.stepped(self._index)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The workers clear each phase's gradients themselves."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(f"{self._run.module_name}.training_step reads optimizer.{name}: under sn_trainer "
+                          "self.optimizers() gives step() and zero_grad() only (each worker's optimizer holds "
+                          "its shard)")
+
+
+class ManualStep:
+    """Phase ``phase``'s step function: training_step run until optimizer ``phase`` steps."""
+
+    def __init__(self, phase: int, count: int):
+        self.phase, self.count = phase, count
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        module = getattr(model, "_orig_mod", model)
+        where, name = position.current(), type(module).__name__
+        run = _PhasePass(name, self.phase)
+        optimizers = [StandInOptimizer(k, run) for k in range(self.count)]
+        methods = {"optimizers": lambda use_pl_optimizer=True: optimizers[0] if self.count == 1 else optimizers,
+                   "manual_backward": run.backward, "toggle_optimizer": _dropped, "untoggle_optimizer": _dropped,
+                   "toggled_optimizer": lambda optimizer: contextlib.nullcontext(), "lr_schedulers": lambda: None}
+        try:
+            with standing_in(module, where, methods=methods):
+                module.training_step(*_step_arguments(module.training_step, batch, where.batch))
+        except _PhaseLoss as done:
+            return done.loss
+        raise ConfigError(f"{name}.training_step did not step optimizer {self.phase} on batch {where.batch}: "
+                          "sn_trainer steps every optimizer every step (a D stepped every other batch is not "
+                          "one of its shapes)")
