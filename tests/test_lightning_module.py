@@ -127,14 +127,17 @@ class Stepping(L.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)]
 
 
-def test_equals_lightnings_own_trainer():
-    train = regression_set(24, 4)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_equals_lightnings_own_trainer(accumulate):
+    train, micro = regression_set(24, 4), 6 // accumulate
     module, theirs = Stepping(), Stepping()
     L.Trainer(accelerator="cpu", devices=1, max_steps=9, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(
-        theirs, DataLoader(train, batch_size=6, shuffle=False, drop_last=True))
-    Trainer(workers=1, batch_size=6, max_steps=9, shuffle=False).fit(module, train)
-    assert_exact(module, theirs)  # 4 steps an epoch: epochs 0, 1 and 2, the learning rate halved after each
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate).fit(
+        theirs, DataLoader(train, batch_size=micro, shuffle=False, drop_last=True))
+    Trainer(workers=1, batch_size=micro, accumulate=accumulate, max_steps=9, shuffle=False).fit(module, train)
+    # 4 steps an epoch: epochs 0, 1 and 2, the learning rate halved after each; with accumulate=2
+    # batch_idx counts the 8 micro-batches of an epoch, as Lightning's does.
+    assert_exact(module, theirs)
 
 
 def test_evaluate_uses_its_training_step_and_validation_step():
