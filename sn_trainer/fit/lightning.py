@@ -5,10 +5,11 @@ and scheduler from ``configure_optimizers()``, collects what ``validation_step``
 ``self.log``, and calls hooks at points of its loop. Here each maps onto what ``fit`` already
 takes: the step function, ``param_groups`` (the optimizer configure_optimizers built), the
 scheduler with Lightning's stepping (per epoch unless said otherwise), ``metric_fn``, and hooks
-called where a plain loop around the workers would call them. What has no counterpart here (an
-epoch-end hook running inside the loop, manual optimization, several optimizers, gradient
-clipping of Lightning's own) is refused up front, naming it: a module that defines its own steps
-never trains with fit's defaults.
+called where a plain loop around the workers would call them; under manual optimization, one
+phase per optimizer. What has no counterpart here (an epoch-end hook running inside the loop,
+several optimizers under automatic optimization, gradient clipping of Lightning's own) is
+refused up front, naming it: a module that defines its own steps never trains with fit's
+defaults.
 
 Inside the user's code, ``self.trainer`` is a stand-in that knows where the run is (``global_step``,
 ``current_epoch``) and refuses anything else in one line, and ``self.log`` is collected (in
@@ -139,7 +140,9 @@ def adapt_evaluation(given: FitInputs) -> FitInputs:
         raise ConfigError(f"the model is a LightningModule, whose training_step and validation_step make the loss "
                           f"and metrics; leave out {', '.join(both)} (or pass a plain nn.Module with them)")
     _check_module(model, root, True)
-    return dataclasses.replace(given, step_fn=TrainingStep(),
+    # Under manual optimization the loss is the first optimizer's, as a fit's evaluation reports it.
+    step_fn = TrainingStep() if model.automatic_optimization else manual_phases(model, root)[0].step_fn
+    return dataclasses.replace(given, step_fn=step_fn,
                                metric_fn=ValidationMetrics() if overrides(model, root, "validation_step") else None)
 
 
@@ -153,7 +156,7 @@ def _check_module(model: nn.Module, root: str, evaluates: bool) -> None:
     """Refuse what has no exact counterpart here, naming it.
 
     Raises:
-        ConfigError: no training_step, manual optimization, an overridden hook that does not map,
+        ConfigError: no training_step, an overridden hook that does not map,
             or a val_dataloader without an eval_set.
     """
     name = type(model).__name__
