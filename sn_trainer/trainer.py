@@ -28,7 +28,7 @@ from .engine.runtime import Runtime, available_allocators, available_openmps
 from .engine.signals import StopFlags
 from .engine.topology import read_topology
 from .errors import ConfigError
-from .fit import decide
+from .fit import decide, lightning
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps
 from .fit.result import FitResult, fit_result
 from .fit.session import Session, launch_workers
@@ -137,12 +137,15 @@ class Trainer:
             TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
+        given = FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
+                          phases, collate_fn, eval_collate_fn, run_config)
+        module_hooks = []
+        if lightning.lightning_root(model) is not None:  # its own steps, optimizer and hooks; never fit's defaults
+            given, module_hooks = lightning.adapt(given)
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []),
-                           *([NotebookBar()] if in_notebook() else []), *(callbacks or [])])
-        run = resolve_fit(FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
-                                    param_groups, phases, collate_fn, eval_collate_fn, run_config),
-                          *self._settled_for(model), self.cluster, progress_awaited=hooks.steer_steps())
+                           *([NotebookBar()] if in_notebook() else []), *(callbacks or []), *module_hooks])
+        run = resolve_fit(given, *self._settled_for(model), self.cluster, progress_awaited=hooks.steer_steps())
         session = Session(run, self, hooks, self._stop, self.cluster)
         result = fit_result(session.train(), history.records, session.writer.last_saved, self._stop, run.train.kind)
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
@@ -162,9 +165,11 @@ class Trainer:
                  metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
                  collate_fn: Callable[[list], Any] | None = None) -> dict[str, Any]:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
-        run = resolve_evaluation(FitInputs(model, eval_set=dataset, loss_fn=loss_fn, step_fn=step_fn,
-                                           metric_fn=metric_fn, eval_collate_fn=collate_fn),
-                                 self.settings, self.placement)
+        given = FitInputs(model, eval_set=dataset, loss_fn=loss_fn, step_fn=step_fn, metric_fn=metric_fn,
+                          eval_collate_fn=collate_fn)
+        if lightning.lightning_root(model) is not None:
+            given = lightning.adapt_evaluation(given)
+        run = resolve_evaluation(given, self.settings, self.placement)
         results, _, _ = launch_workers(run, run.first_plan, self._stop, self.cluster)
         return dict(results[0].eval_metrics)
 

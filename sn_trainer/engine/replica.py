@@ -18,7 +18,7 @@ from ..data.batching import in_layout
 from ..data.feed import Feed
 from ..data.source import Source, different_orders
 from ..errors import DataError
-from . import metric_states, random_state
+from . import metric_states, position, random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
@@ -191,10 +191,12 @@ class Replica:
         self.reducer.grad_flat.zero_()
         self.used.zero_()
         loss_sum = count = 0.0
-        for batch, samples in micro_batches:
+        step = round_ // len(self.phases)
+        for micro, (batch, samples) in enumerate(micro_batches):
             if samples == 0:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
-            with timer("forward"), gathering(self._gathering(phase.objective)):
+            where = position.in_training(step, micro, self.plan.steps_per_epoch, self.plan.settings.accumulate)
+            with timer("forward"), gathering(self._gathering(phase.objective)), position.at(where):
                 micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
                                                                       self.dtype)
             with timer("backward"):
@@ -339,12 +341,12 @@ class Replica:
             "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
         try:
             settings = self.plan.settings
-            for batch, samples in self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
-                                                                     settings.eval_batch_size,
-                                                                     settings.max_eval_batches):
+            chunks = self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
+                                                        settings.eval_batch_size, settings.max_eval_batches)
+            for index, (batch, samples) in enumerate(chunks):
                 beat("eval")
                 batch = in_layout(batch, settings.channels_last)
-                with gathering(alone):
+                with gathering(alone), position.at(position.in_evaluation(index)):
                     found = self.objective.eval_terms(self.runner, batch, samples, self.precision, self.dtype)
                 for k, key in enumerate(keys):
                     value_sum, value_count = found.get(key, (0.0, 0.0))
