@@ -140,10 +140,11 @@ class Trainer:
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []),
                            *([NotebookBar()] if in_notebook() else []), *(callbacks or [])])
+        cluster = self._met()
         run = resolve_fit(FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn,
                                     param_groups, phases, collate_fn, eval_collate_fn, run_config),
-                          *self._settled_for(model), self.cluster, progress_awaited=hooks.steer_steps())
-        session = Session(run, self, hooks, self._stop, self.cluster)
+                          *self._settled_for(model), cluster, progress_awaited=hooks.steer_steps())
+        session = Session(run, self, hooks, self._stop, cluster)
         result = fit_result(session.train(), history.records, session.writer.last_saved, self._stop, run.train.kind)
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
         session.callbacks.call("on_fit_end", self, result)
@@ -165,8 +166,12 @@ class Trainer:
         run = resolve_evaluation(FitInputs(model, eval_set=dataset, loss_fn=loss_fn, step_fn=step_fn,
                                            metric_fn=metric_fn, eval_collate_fn=collate_fn),
                                  self.settings, self.placement)
-        results, _, _ = launch_workers(run, run.first_plan, self._stop, self.cluster)
+        results, _, _ = launch_workers(run, run.first_plan, self._stop, self._met())
         return dict(results[0].eval_metrics)
+
+    def _met(self) -> Cluster | None:
+        """The cluster, its nodes met for this fit (their store's keys this round's alone)."""
+        return self.cluster.met(self.settings.worker_timeout) if self.cluster is not None else None
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
              param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 3.0, top: int = 3,

@@ -1,0 +1,116 @@
+"""Nodes that come and go under torchrun's own elastic agent (--nnodes=MIN:MAX, c10d rendezvous on 127.0.0.1)."""
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_job import BATCH, REWARMUP, SEED, SGD
+from helpers import SmallConvNet, processes_with_marker, tiny_dataset
+from sn_trainer import Cluster, Trainer
+from test_multinode import free_port
+
+pytestmark = pytest.mark.timeout(420)
+JOB = Path(__file__).with_name("elastic_job.py")
+# Rendezvous timings short enough for a test: a dead node's heartbeat is missed within seconds,
+# and a round with fewer than the most nodes closes a few seconds after the fewest have come.
+RDZV_CONF = "join_timeout=120,last_call_timeout=6,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def start_node(port, run_id, marker, nnodes, *job_args, max_restarts=3):
+    # torch 2.14's agents share one store server across rounds and tell a node joining a later
+    # round no address for it; without sharing, every round's node 0 gets a fresh one (sn_trainer hosts it).
+    env = {**os.environ, "SN_TEST_MARKER": marker, "GLOO_SOCKET_IFNAME": "lo", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                             "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                             f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={max_restarts}",
+                             "--monitor-interval=0.5", str(JOB), *job_args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def collect(node, outputs):
+    """Read a node's output as it comes (a full pipe would stall it)."""
+    thread = threading.Thread(target=lambda: outputs.append(node.communicate()[0]), daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(path: Path, nodes, deadline_s: float) -> dict:
+    """The JSON a node writes at ``path``, waited for while the nodes run (none may have exited)."""
+    end = time.monotonic() + deadline_s
+    while not path.exists():
+        assert time.monotonic() < end, f"{path.name} never came"
+        assert all(node.poll() is None for node in nodes), f"a node ended before {path.name}"
+        time.sleep(0.1)
+    time.sleep(0.05)  # written by one open/dump/close: let the close land
+    return json.loads(path.read_text())
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun agent and everything it started, as a node that loses power."""
+    agent = psutil.Process(pid)
+    for proc in [agent, *agent.children(recursive=True)]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def by_hand(membership, total_steps, tmp_path):
+    """The same run resumed by hand on one node: at each membership change, a torchrun-free fit with
+    the workers the nodes had in all, resumed from the previous fit's checkpoint, up to the next change."""
+    folder = tmp_path / "by_hand"
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    ends = [entry["step"] for entry in membership[1:]] + [total_steps]
+    for entry, end in zip(membership, ends):
+        Trainer(workers=entry["workers"], batch_size=BATCH, max_steps=end, seed=SEED, comm="shm",
+                checkpoint_dir=str(folder), checkpoint_every_steps=1, rewarmup_steps=REWARMUP,
+                resume="latest" if entry["step"] else None).fit(model, tiny_dataset(dtype=torch.float64),
+                                                                 optimizer=SGD)
+    return model.state_dict()
+
+
+def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
+    marker, port, run_id, steps = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8], 9
+    job = ["--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
+           "--victim-step", "3", "--hold-step", "5"]
+    nodes, outputs, readers = [], [], []
+    try:
+        for _ in range(3):
+            nodes.append(start_node(port, run_id, marker, "2:3", *job))
+            readers.append(collect(nodes[-1], outputs))
+        victim = wait_for(tmp_path / "victim", nodes, 240)
+        kill_tree(victim["agent"])
+        wait_for(tmp_path / "held", [n for n in nodes if n.pid != victim["agent"]], 240)
+        nodes.append(start_node(port, run_id, marker, "2:3", *job))  # a new node joins the two left
+        readers.append(collect(nodes[-1], outputs))
+        for node in nodes:
+            node.wait(timeout=240)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+    for reader in readers:
+        reader.join(timeout=30)
+    for index, out in enumerate(outputs):
+        (tmp_path / f"node{index}.log").write_text(out)
+    survivors = [node.returncode for node in nodes if node.pid != victim["agent"]]
+    assert survivors == [0, 0, 0], "\n".join(out[-3000:] for out in outputs)
+    assert processes_with_marker(marker) == []
+    membership = json.loads((tmp_path / "summary.json").read_text())["membership"]
+    assert [(e["nodes"], e["workers"]) for e in membership][-3:] == [(3, 3), (2, 2), (3, 3)], membership
+    assert membership[-2]["step"] >= 3 and membership[-1]["step"] >= 5, membership  # after each hold
+    elastic = torch.load(tmp_path / "params.pt", weights_only=True)
+    for name, value in by_hand(membership, steps, tmp_path).items():
+        torch.testing.assert_close(elastic[name], value, rtol=1e-10, atol=1e-12)
