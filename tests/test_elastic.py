@@ -1,5 +1,7 @@
 """Nodes that come and go under torchrun's own elastic agent (--nnodes=MIN:MAX, c10d rendezvous on 127.0.0.1)."""
+import copy
 import datetime
+import functools
 import json
 import os
 import signal
@@ -114,3 +116,84 @@ def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
     elastic = torch.load(tmp_path / "params.pt", weights_only=True)
     for name, value in by_hand(membership, steps, tmp_path).items():
         torch.testing.assert_close(elastic[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_node_with_other_batch_settings_is_refused_at_rendezvous_naming_it(tmp_path):
+    marker, port, run_id = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8]
+    job = ["--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "3"]
+    nodes = [start_node(port, run_id, marker, "2:3", *job, max_restarts=0),
+             start_node(port, run_id, marker, "2:3", *job, "--batch-size", "6", max_restarts=0)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes), outputs
+    for out in outputs:  # each node names the other and the setting, with both values
+        assert "differs from this node" in out and "in batch_size" in out, out[-3000:]
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())  # no step trained
+    assert processes_with_marker(marker) == []
+
+
+def test_rewarmup_ramps_the_schedules_lr_after_a_resume_at_another_size_as_plain_pytorch(tmp_path):
+    from helpers import assert_exact, cross_entropy, plain_batches
+
+    data, folder = tiny_dataset(dtype=torch.float64), tmp_path / "ckpt"
+    schedule = functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.8)  # multiplies as it goes
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    reference = copy.deepcopy(model)
+    for workers, steps, resume in ((2, 3, None), (1, 7, "latest")):
+        result = Trainer(workers=workers, batch_size=BATCH, max_steps=steps, seed=SEED, comm="shm", rewarmup_steps=3,
+                         checkpoint_dir=str(folder), checkpoint_every_steps=1, resume=resume, log_every=1).fit(
+            model, data, optimizer=SGD, loss_fn=torch.nn.functional.cross_entropy, scheduler=schedule)
+    assert result.membership == [{"step": 0, "nodes": 1, "workers": 2}, {"step": 3, "nodes": 1, "workers": 1}]
+    optimizer = SGD(reference.parameters())
+    for step, batch in zip(range(7), plain_batches(data, BATCH, SEED)):
+        ramp = min(1.0, (step + 1 - 3) / 3) if step >= 3 else 1.0  # steps 4, 5, 6 at 1/3, 2/3, 1
+        optimizer.param_groups[0]["lr"] = 0.05 * 0.8 ** step * ramp
+        optimizer.zero_grad()
+        cross_entropy(reference, batch).backward()
+        optimizer.step()
+    assert_exact(model, reference)
+
+
+def test_nodes_meet_on_a_fresh_token_past_one_a_dead_node_0_left():
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    server.set(f"sn_trainer/{run_id}/meeting/token", "stale")  # a node 0 killed mid-meeting left it
+    met = {}
+
+    def meet(rank):
+        cluster = Cluster(node_rank=rank, nodes=3, master_addr="127.0.0.1", master_port=port, run_id=run_id)
+        met[rank] = cluster.met(timeout_s=30, retry_s=0.2)
+
+    followers = [threading.Thread(target=meet, args=(rank,)) for rank in (1, 2)]
+    for thread in followers:
+        thread.start()
+    meet(0)
+    for thread in followers:
+        thread.join(timeout=60)
+    tokens = {cluster.meeting for cluster in met.values()}
+    assert len(met) == 3 and len(tokens) == 1 and tokens != {"stale"}, met
+    met[0].store("x").set("k", "v")
+    assert met[2].store("x").get("k") == b"v"  # the same keys for all of this meeting
+    again = Cluster(node_rank=0, nodes=1, master_addr="127.0.0.1", master_port=port, run_id=run_id).met(timeout_s=30)
+    assert again.meeting != met[0].meeting  # and none of another's
+
+
+def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path):
+    """scripts/slurm_torchrun.sbatch with SN_MIN_NODES, under Slurm's variables and a stand-in
+    srun that notes its arguments and the store setting torchrun's agents get."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, body in (("srun", 'echo "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE srun $*" >> "$SLURM_FAKE_LOG"'),
+                       ("scontrol", "echo node07; echo node08; echo node09")):
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_FAKE_LOG": str(log),
+           "SLURM_JOB_NODELIST": "node[07-09]", "SLURM_NNODES": "3", "SLURM_JOB_ID": "4242", "SN_MIN_NODES": "2"}
+    script = Path(__file__).parents[1] / "scripts" / "slurm_torchrun.sbatch"
+    done = subprocess.run(["bash", str(script), "workers=16"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().split() == [
+        "1", "srun", "--kill-on-bad-exit=0", "python", "-m", "torch.distributed.run", "--nnodes=2:3",
+        "--max-restarts=3", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node07:29500",
+        "--rdzv-id=4242", "-m", "sn_trainer", "workers=16"]
