@@ -32,19 +32,22 @@ class Holds(Callback):
         victim = self.cluster.nodes == 3 and self.cluster.node_rank == 2 and progress.step >= self.victim_step
         if victim and self._say("victim", {"agent": os.getppid(), "step": progress.step}):
             threading.Event().wait()  # until the test kills this node's torchrun
-        held = self.cluster.nodes == 2 and self.cluster.is_leader and progress.step >= self.hold_step
+        held = (self.cluster.nodes == 2 and self.cluster.is_leader and progress.step >= self.hold_step
+                and os.path.exists(os.path.join(self.out, "victim.claimed")))  # the round after the loss, not one before
         if held and self._say("held", {"step": progress.step}):
             while not trainer._stop.signal:  # until torchrun's agent stops this round for the node that joined
                 time.sleep(0.05)
 
     def _say(self, name: str, what: dict) -> bool:
         """Write ``out/name`` once for the whole job; False where it was written already."""
+        path = os.path.join(self.out, name)
         try:
-            fd = os.open(os.path.join(self.out, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(os.open(path + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
+        with open(path + ".part", "w") as f:
             json.dump(what, f)
+        os.replace(path + ".part", path)  # the test sees it whole or not at all
         return True
 
 

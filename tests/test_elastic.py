@@ -4,7 +4,9 @@ import datetime
 import functools
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,8 +56,18 @@ def wait_for(path: Path, nodes, deadline_s: float) -> dict:
         assert time.monotonic() < end, f"{path.name} never came"
         assert all(node.poll() is None for node in nodes), f"a node ended before {path.name}"
         time.sleep(0.1)
-    time.sleep(0.05)  # written by one open/dump/close: let the close land
-    return json.loads(path.read_text())
+    return json.loads(path.read_text())  # renamed into place whole
+
+
+def wait_for_port(port: int, node, deadline_s: float) -> None:
+    """Until the first node's agent hosts the rendezvous: it, not a node killed later, holds it."""
+    end = time.monotonic() + deadline_s
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < end and node.poll() is None, "the first node never hosted the rendezvous"
+        time.sleep(0.1)
 
 
 def kill_tree(pid: int) -> None:
@@ -83,15 +95,18 @@ def by_hand(membership, total_steps, tmp_path):
     return model.state_dict()
 
 
+@pytest.mark.timeout(600)
 def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
     marker, port, run_id, steps = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8], 9
     job = ["--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
            "--victim-step", "3", "--hold-step", "5"]
     nodes, outputs, readers = [], [], []
     try:
-        for _ in range(3):
+        for index in range(3):
             nodes.append(start_node(port, run_id, marker, "2:3", *job))
             readers.append(collect(nodes[-1], outputs))
+            if index == 0:
+                wait_for_port(port, nodes[0], 240)
         victim = wait_for(tmp_path / "victim", nodes, 240)
         kill_tree(victim["agent"])
         wait_for(tmp_path / "held", [n for n in nodes if n.pid != victim["agent"]], 240)
@@ -110,6 +125,8 @@ def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
     survivors = [node.returncode for node in nodes if node.pid != victim["agent"]]
     assert survivors == [0, 0, 0], "\n".join(out[-3000:] for out in outputs)
     assert processes_with_marker(marker) == []
+    everything = "".join(outputs)
+    assert re.search(r"node \d worker 0 failed", everything) and "resuming from" in everything
     membership = json.loads((tmp_path / "summary.json").read_text())["membership"]
     assert [(e["nodes"], e["workers"]) for e in membership][-3:] == [(3, 3), (2, 2), (3, 3)], membership
     assert membership[-2]["step"] >= 3 and membership[-1]["step"] >= 5, membership  # after each hold
