@@ -214,3 +214,27 @@ def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path
         "1", "srun", "--kill-on-bad-exit=0", "python", "-m", "torch.distributed.run", "--nnodes=2:3",
         "--max-restarts=3", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node07:29500",
         "--rdzv-id=4242", "-m", "sn_trainer", "workers=16"]
+
+
+def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_checkpoint(tmp_path):
+    """A join restarts every node without counting a restart (a new node starts at 0): the
+    checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job."""
+    from sn_trainer import CheckpointError, TrainerConfig
+    from sn_trainer.checkpoint import files
+    from sn_trainer.checkpoint.resume import locate
+    from sn_trainer.config import CheckpointConfig
+
+    files.CheckpointDir(tmp_path).save(files.build(2, {"w": torch.zeros(1)}, None, [], {"torchrun_run_id": "job1"},
+                                                   None))
+    settings = TrainerConfig(checkpoint=CheckpointConfig(dir=str(tmp_path)))
+
+    def located(run_id, node_rank=1, restart_count=0):
+        cluster = Cluster(node_rank=node_rank, nodes=2, master_addr="127.0.0.1", master_port=1, run_id=run_id,
+                          restart_count=restart_count)
+        return locate(settings, cluster)[1]
+
+    assert located("job1") == tmp_path
+    assert located("job2") is None and located("none") is None
+    assert located("job2", restart_count=1) == tmp_path  # a restart after a failure: always the last one
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        located("job2", node_rank=0)  # the leader starting afresh refuses another job's folder

@@ -58,7 +58,10 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
 
 
 def written_by_job(path: Path, run_id: str) -> bool:
-    """Whether the checkpoint at ``path`` was written under torchrun's job ``run_id`` (its rdzv id)."""
+    """Whether the checkpoint at ``path`` was written under torchrun's job ``run_id`` (its rdzv id;
+    torchrun's default, ``none``, names no job: every job without --rdzv-id has it)."""
+    if run_id in ("", "none"):
+        return False
     try:
         return (files.load(path).get("run") or {}).get("torchrun_run_id") == run_id
     except CheckpointError:  # a damaged file is not this job's to resume; resume says why, passing over it
