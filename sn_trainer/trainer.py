@@ -171,7 +171,7 @@ class Trainer:
 
     def _met(self) -> Cluster | None:
         """The cluster, its nodes met for this fit (their store's keys this round's alone)."""
-        return self.cluster.met(self.settings.worker_timeout) if self.cluster is not None else None
+        return self.cluster.met() if self.cluster is not None else None  # waits for the slowest node's start-up
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
              param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 3.0, top: int = 3,

@@ -25,8 +25,9 @@ BATCH, SEED, REWARMUP = 12, 3, 2
 class Holds(Callback):
     """Stops this node after a step where the test wants a membership change, and tells the test."""
 
-    def __init__(self, cluster: Cluster, out: str, victim_step: int, hold_step: int):
+    def __init__(self, cluster: Cluster, out: str, victim_step: int, hold_step: int, link_step: int):
         self.cluster, self.out, self.victim_step, self.hold_step = cluster, out, victim_step, hold_step
+        self.link_step = link_step
 
     def on_step_end(self, trainer, progress) -> None:
         victim = self.cluster.nodes == 3 and self.cluster.node_rank == 2 and progress.step >= self.victim_step
@@ -36,6 +37,10 @@ class Holds(Callback):
                 and os.path.exists(os.path.join(self.out, "victim.claimed")))  # the round after the loss, not one before
         if held and self._say("held", {"step": progress.step}):
             while not trainer._stop.signal:  # until torchrun's agent stops this round for the node that joined
+                time.sleep(0.05)
+
+        if self.cluster.node_rank == 1 and progress.step >= self.link_step and self._say("link", {}):
+            while not os.path.exists(os.path.join(self.out, "link_down")):  # until the test has taken it down
                 time.sleep(0.05)
 
     def _say(self, name: str, what: dict) -> bool:
@@ -59,16 +64,20 @@ def main() -> None:
     parser.add_argument("--victim-step", type=int, default=10**9)
     parser.add_argument("--hold-step", type=int, default=10**9)
     parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--worker-timeout", type=float, default=300.0)
+    parser.add_argument("--link-step", type=int, default=10**9)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     cluster = Cluster.from_env(os.environ)
+    start = f"start-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{cluster.node_rank}"
+    open(os.path.join(args.out, start), "w").close()  # this node's process started, after so many restarts
     torch.manual_seed(0)
     model = SmallConvNet().double()
     result = Trainer(cluster=cluster, workers=1, batch_size=args.batch_size, max_steps=args.steps, seed=SEED,
                      comm="shm", checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1, log_every=1,
-                     rewarmup_steps=REWARMUP).fit(model, tiny_dataset(dtype=torch.float64), optimizer=SGD,
+                     rewarmup_steps=REWARMUP, worker_timeout=args.worker_timeout).fit(model, tiny_dataset(dtype=torch.float64), optimizer=SGD,
                                                    callbacks=[Holds(cluster, args.out, args.victim_step,
-                                                                    args.hold_step)])
+                                                                    args.hold_step, args.link_step)])
     if cluster.is_leader:
         torch.save(model.state_dict(), os.path.join(args.out, "params.pt"))
         with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -23,6 +23,7 @@ from elastic_job import BATCH, REWARMUP, SEED, SGD
 from helpers import SmallConvNet, processes_with_marker, tiny_dataset
 from sn_trainer import Cluster, Trainer
 from test_multinode import free_port
+from test_multinode import veth_pair as veth_pair  # noqa: F401 - a fixture, used by name
 
 pytestmark = pytest.mark.timeout(420)
 JOB = Path(__file__).with_name("elastic_job.py")
@@ -238,3 +239,62 @@ def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_chec
     assert located("job2", restart_count=1) == tmp_path  # a restart after a failure: always the last one
     with pytest.raises(CheckpointError, match="already holds checkpoints"):
         located("job2", node_rank=0)  # the leader starting afresh refuses another job's folder
+
+
+def wait_for_files(paths, nodes, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while not all(path.exists() for path in paths):
+        assert time.monotonic() < end and all(n.poll() is None for n in nodes), f"never came: {paths}"
+        time.sleep(0.1)
+
+
+def test_a_link_taken_down_mid_step_ends_it_within_worker_timeout_and_the_restart_picks_up(tmp_path, veth_pair):
+    """Two nodes in network namespaces; node a's end of their link is set down while node 1 holds
+    after a step: no peer resets a connection, the next step ends by worker_timeout on both nodes,
+    each named; with the link up again, torchrun's restart resumes and finishes the run."""
+    marker, timeout_s, steps = uuid.uuid4().hex, 8, 8
+    (ns_a, dev_a, host_a), port = veth_pair["a"], 29500 + int(marker[:3], 16)
+    nodes = []
+    for node_rank, (ns, device, _) in enumerate(veth_pair.values()):
+        env = {**os.environ, "SN_TEST_MARKER": marker}
+        nodes.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, "-m",
+             "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node_rank}",
+             f"--master-addr={host_a}", f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5",
+             str(JOB), "--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
+             "--worker-timeout", str(timeout_s), "--link-step", "3"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    readers = [collect(node, outputs) for node in nodes]
+    try:
+        wait_for_files([tmp_path / "link"], nodes, 240)
+        subprocess.run(["ip", "netns", "exec", ns_a, "ip", "link", "set", dev_a, "down"], check=True, timeout=30)
+        dropped = time.monotonic()
+        (tmp_path / "link_down").touch()
+        wait_for_files([tmp_path / "start-1-0"], nodes, 240)  # node a failed and was restarted
+        took = time.monotonic() - dropped
+        subprocess.run(["ip", "netns", "exec", ns_a, "ip", "link", "set", dev_a, "up"], check=True, timeout=30)
+        for node in nodes:
+            node.wait(timeout=240)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+    for reader in readers:
+        reader.join(timeout=30)
+    (tmp_path / "nodes.log").write_text("\n".join(outputs))
+    everything = "".join(outputs)
+    assert [node.returncode for node in nodes] == [0, 0], everything[-4000:]
+    assert took < timeout_s + 90, took  # the step ended by the timeout, and the teardown is bounded
+    for rank in (0, 1):
+        assert re.search(rf"node {rank} worker 0 failed: made no progress for \d+ s \(worker_timeout={timeout_s}\), "
+                         r"in step \d+, stage reduce", everything), everything[-4000:]
+    assert "resuming from" in everything
+    assert processes_with_marker(marker) == []
+    torch.manual_seed(0)
+    one_node = SmallConvNet().double()
+    Trainer(workers=2, batch_size=BATCH, max_steps=steps, seed=SEED, comm="shm").fit(
+        one_node, tiny_dataset(dtype=torch.float64), optimizer=SGD)
+    two_nodes = torch.load(tmp_path / "params.pt", weights_only=True)
+    for name, value in one_node.state_dict().items():
+        torch.testing.assert_close(two_nodes[name], value, rtol=1e-10, atol=1e-12)
