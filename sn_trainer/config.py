@@ -166,6 +166,8 @@ class TrainerConfig:
                                        "drop_last or training-set size (`false`: a warning)")
     max_restarts: int = option(0, "when a worker dies or hangs, restart all from the last checkpoint, up to this "
                                   "many times")
+    rewarmup_steps: int = option(0, "after the nodes or workers change (an elastic restart, a resume at another "
+                                    "size), ramp the learning rate linearly again over this many steps")
     worker_timeout: float = option(300.0, "seconds a worker may go without progress before the run ends, naming it")
     on_nan: str = option("stop", "a non-finite loss or gradient: `stop` (naming the step) or `skip` that update")
 
@@ -179,7 +181,7 @@ class TrainerConfig:
             positive_int(getattr(self, name), name)
         for name in ("max_steps", "eval_every", "max_eval_batches"):
             positive_int(getattr(self, name), name, nullable=True)
-        for name in ("bucket_kb", "measure_after", "max_restarts"):
+        for name in ("bucket_kb", "measure_after", "max_restarts", "rewarmup_steps"):
             positive_int(getattr(self, name), name, minimum=0)
         require(is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("shuffle", "drop_last", "sync_batchnorm", "resume_strict"):

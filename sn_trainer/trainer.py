@@ -145,8 +145,9 @@ class Trainer:
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []),
                            *([NotebookBar()] if in_notebook() else []), *(callbacks or []), *module_hooks])
-        run = resolve_fit(given, *self._settled_for(model), self.cluster, progress_awaited=hooks.steer_steps())
-        session = Session(run, self, hooks, self._stop, self.cluster)
+        cluster = self._met()
+        run = resolve_fit(given, *self._settled_for(model), cluster, progress_awaited=hooks.steer_steps())
+        session = Session(run, self, hooks, self._stop, cluster)
         result = fit_result(session.train(), history.records, session.writer.last_saved, self._stop, run.train.kind)
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
         session.callbacks.call("on_fit_end", self, result)
@@ -170,8 +171,12 @@ class Trainer:
         if lightning.lightning_root(model) is not None:
             given = lightning.adapt_evaluation(given)
         run = resolve_evaluation(given, self.settings, self.placement)
-        results, _, _ = launch_workers(run, run.first_plan, self._stop, self.cluster)
+        results, _, _ = launch_workers(run, run.first_plan, self._stop, self._met())
         return dict(results[0].eval_metrics)
+
+    def _met(self) -> Cluster | None:
+        """The cluster, its nodes met for this fit (their store's keys this round's alone)."""
+        return self.cluster.met() if self.cluster is not None else None  # waits for the slowest node's start-up
 
     def tune(self, model: nn.Module, train_set: Dataset, optimizer=None, loss_fn=None, step_fn=None,
              param_groups=None, steps: int = 12, warmup: int = 3, window_s: float = 3.0, top: int = 3,

@@ -45,13 +45,27 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
     if directory is not None:
         directory.check_writable()
     resume_from = files.resolve(settings.resume, where) if settings.resume else None
-    if cluster is not None and resume_from is None and cluster.restart_count > 0 and where:
-        # torchrun restarted every node after a failure: all go on from the last checkpoint in the
-        # (shared) checkpoint directory.
-        resume_from = Path(where) if files.CheckpointDir(where).latest() else None
+    if cluster is not None and resume_from is None and where:
+        # torchrun restarted every node, after a failure or as nodes left or joined (then without
+        # counting a restart, and a node that joins starts at 0): all go on from the last
+        # checkpoint in the (shared) directory that this torchrun job wrote.
+        latest = files.CheckpointDir(where).latest()
+        if latest is not None and (cluster.restart_count > 0 or written_by_job(latest, cluster.run_id)):
+            resume_from = Path(where)
     if directory is not None:
         _check_owned(directory, resume_from)
     return directory, resume_from
+
+
+def written_by_job(path: Path, run_id: str) -> bool:
+    """Whether the checkpoint at ``path`` was written under torchrun's job ``run_id`` (its rdzv id;
+    torchrun's default, ``none``, names no job: every job without --rdzv-id has it)."""
+    if run_id in ("", "none"):
+        return False
+    try:
+        return (files.load(path).get("run") or {}).get("torchrun_run_id") == run_id
+    except CheckpointError:  # a damaged file is not this job's to resume; resume says why, passing over it
+        return False
 
 
 def _check_owned(directory: files.CheckpointDir, resume_from: Path | None) -> None:
@@ -100,12 +114,13 @@ class Resumable(Protocol):
 class Resumed:
     """A checkpoint cut for a launch: the step it reached, the weights' moving average, each
     worker's share (its phases' optimizer and scheduler state, its random state, the stream's
-    place), and the run's stateful callbacks' states at that step."""
+    place), the run's stateful callbacks' states at that step, and its membership list."""
 
     step: int
     ema: dict[str, Any] | None
     shares: list[dict[str, Any]]
     callbacks: dict[str, dict[str, Any]]
+    membership: list[dict[str, Any]]  # the run's nodes and workers until then (fit.membership)
 
 
 def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, one_node: bool) -> Resumed:
@@ -143,7 +158,8 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
                           for phase, held, schedule in zip(run.phases, optimizers, schedules)],
                "rng": saved["rng"][rank] if same_streams else None, "stream": stream}
               for rank in range(workers)]
-    return Resumed(saved["step"], saved.get("ema"), shares, saved.get("callbacks") or {})
+    return Resumed(saved["step"], saved.get("ema"), shares, saved.get("callbacks") or {},
+                   (saved.get("run") or {}).get("membership") or [])
 
 
 def check_same_run(saved: dict[str, Any], path, order: dict[str, Any], run_config: dict[str, Any] | None,

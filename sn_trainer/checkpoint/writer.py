@@ -22,7 +22,9 @@ class CheckpointWriter(Callback):
     worker's has come, writes the checkpoint to ``directory`` and tells ``callbacks`` (``on_checkpoint``).
 
     ``sample_order`` is what a resume must agree with (``checkpoint.resume.sample_order``);
-    ``run_config`` the plain data kept in the file beside it (the command line's config).
+    ``run_config`` the plain data kept in the file beside it (the command line's config);
+    ``carried`` what the launch sets for its checkpoints to carry on (the membership list, the
+    torchrun job that wrote them).
     """
 
     essential = True  # a checkpoint that cannot be written ends the run: it is what a resume needs
@@ -33,6 +35,7 @@ class CheckpointWriter(Callback):
         self.sample_order, self.run_config, self.callbacks = sample_order, run_config, callbacks
         self._parts: dict[int, dict[int, dict[str, Any]]] = {}
         self.last_saved: Path | None = None
+        self.carried: dict[str, Any] = {}
 
     def on_checkpoint_part(self, trainer, part: CheckpointPart) -> None:
         parts = self._parts.setdefault(part.step, {})
@@ -63,7 +66,8 @@ class CheckpointWriter(Callback):
             schedules.append(next((p["phases"][index]["schedule"] for p in ordered
                                    if p["phases"][index]["schedule"] is not None), None))
         optimizer, schedule = files.phase_entries(optimizers, schedules)
-        run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream")}
+        run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream"),
+               **self.carried}
         return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
                            schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
                            callbacks=self.callbacks.states())

@@ -1,13 +1,22 @@
 """Several nodes under torchrun: which node this is, and where the nodes meet."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..errors import ConfigError
+
+
+# The store this process hosts for its nodes, where torchrun's agent hosts none (node 0 under
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): kept for the process's lifetime, so that nodes finishing
+# after this one still reach it and a second fit meets on it again.
+_HOSTED: dict[tuple[str, int], dist.TCPStore] = {}
 
 
 class ClusterError(ConfigError):
@@ -26,6 +35,7 @@ class Cluster:
     restart_count: int = 0
     agent_store: bool = True  # torchrun's agent hosts the store at master_addr:master_port
     interface: str | None = None  # network interface gloo binds to across nodes (GLOO_SOCKET_IFNAME)
+    meeting: str | None = None  # the token the nodes agreed on for this fit (``met``); scopes every key
 
     @property
     def is_leader(self) -> bool:
@@ -54,10 +64,61 @@ class Cluster:
                    interface=env.get("GLOO_SOCKET_IFNAME") or None)
 
     def store(self, prefix: str, timeout_s: float = 300.0) -> dist.Store:
-        """A client of the nodes' shared store, with keys scoped to this run, restart and ``prefix``."""
-        store = dist.TCPStore(self.master_addr, self.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        return dist.PrefixStore(f"sn_trainer/{self.run_id}/{self.restart_count}/{prefix}", store)
+        """A client of the nodes' shared store, with keys scoped to this run, this meeting (else
+        this restart) and ``prefix``."""
+        scope = self.meeting if self.meeting is not None else str(self.restart_count)
+        return dist.PrefixStore(f"sn_trainer/{self.run_id}/{scope}/{prefix}", self._client(timeout_s))
+
+    def _client(self, timeout_s: float) -> dist.Store:
+        return dist.TCPStore(self.master_addr, self.master_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    def met(self, timeout_s: float = 300.0, retry_s: float = 5.0) -> "Cluster":
+        """This cluster with a token every node of this rendezvous round agreed on, to scope its keys.
+
+        torchrun keeps its store across rounds while node 0's agent lives, and a membership change
+        restarts the nodes without counting a restart (a node that joins starts at 0): neither the
+        restart count nor a fixed key tells this round's keys from an earlier round's. Node 0 posts
+        a fresh token, each other node acknowledges the one it read, and node 0 answers each
+        acknowledgement; a token left by a node 0 that died mid-meeting gets no answer, so the
+        others read again until this round's comes. Where torchrun's agent hosts no store, node 0
+        hosts it here.
+
+        Raises:
+            ClusterError: the nodes did not all meet within ``timeout_s``.
+        """
+        if self.is_leader and not self.agent_store and (self.master_addr, self.master_port) not in _HOSTED:
+            _HOSTED[(self.master_addr, self.master_port)] = dist.TCPStore(
+                self.master_addr, self.master_port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False)
+        store = dist.PrefixStore(f"sn_trainer/{self.run_id}/meeting", self._client(timeout_s))
+        try:
+            token = self._post(store) if self.is_leader else self._acknowledge(store, timeout_s, retry_s)
+        except RuntimeError as exc:  # the store's timeouts (DistStoreError is one)
+            raise ClusterError(f"node {self.node_rank} of {self.nodes}: the nodes did not all meet within "
+                               f"{timeout_s:.0f} s ({exc}); check that every node runs this job") from None
+        return dataclasses.replace(self, meeting=token)
+
+    def _post(self, store: dist.Store) -> str:
+        token = uuid.uuid4().hex
+        store.set("token", token)
+        for node in range(1, self.nodes):
+            store.get(f"ack/{token}/{node}")  # waits for that node
+            store.set(f"answer/{token}/{node}", "1")
+        store.delete_key("token")  # met: nothing later reads this round's token
+        return token
+
+    def _acknowledge(self, store: dist.Store, timeout_s: float, retry_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            token = store.get("token").decode()
+            store.set(f"ack/{token}/{self.node_rank}", "1")
+            try:
+                store.wait([f"answer/{token}/{self.node_rank}"], datetime.timedelta(seconds=retry_s))
+                return token
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
 
     def device(self):
         """The gloo device for traffic between nodes: the named interface, else the host name's address."""

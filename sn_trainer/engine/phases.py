@@ -6,6 +6,7 @@ parameters that fall in it, an optimizer over them with the phase's groups, and 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -97,7 +98,8 @@ class WorkerPhase:
             # A parameter no worker's backward reached: .grad None, as plain PyTorch leaves it,
             # so the optimizer leaves it alone (no decay, no momentum, no step count).
             param.grad = None if piece.slot in left_out else grad
-        self.optimizer.step()
+        with scaled_lr(self.optimizer, self.plan.lr_factor(step_done)):
+            self.optimizer.step()
         if self.schedule is not None:
             self.schedule.after_step(step_done)
 
@@ -110,3 +112,20 @@ class WorkerPhase:
         """This worker's share of the phase for a checkpoint."""
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "schedule": self.schedule.state_dict() if self.schedule else None}
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
+    """Each group's learning rate times ``factor`` for one step, then the schedule's own again (a
+    scheduler that multiplies the current rate must not compound the ramp)."""
+    if factor == 1.0:
+        yield
+        return
+    held = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, held):
+        group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, held):
+            group["lr"] = lr

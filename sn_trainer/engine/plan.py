@@ -51,6 +51,8 @@ class Plan:
     evaluate_only: bool
     checkpointing: bool  # send state to the launcher (on schedule, at the end, on stop)
     progress_awaited: bool = False  # after a progress record, the workers wait for the callbacks (they may stop)
+    # (step, nodes, workers in all): the run's first, then each change of them (a checkpoint carries it on)
+    membership: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def runtime(self) -> Runtime:
@@ -109,6 +111,15 @@ class Plan:
                 (done // self.steps_per_epoch) % every.every_epochs == 0:
             return True
         return done == self.total_steps
+
+    def lr_factor(self, step_done: int) -> float:
+        """What the schedule's learning rate is multiplied by in step ``step_done`` (counted from 1):
+        after the last membership change, at step c, a linear ramp over rewarmup_steps steps,
+        (step_done - c) / rewarmup_steps, up to 1."""
+        ramp = self.settings.rewarmup_steps
+        if ramp == 0 or len(self.membership) < 2:
+            return 1.0
+        return min(1.0, (step_done - self.membership[-1][0]) / ramp)
 
     def summary(self, comm_used: str | None = None, data: str | None = None) -> dict[str, Any]:
         """What the run used, for FitResult.plan and summary.json: every setting as decided, and

@@ -32,6 +32,7 @@ from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
 from . import decide, loss_probe, preflight
+from .agreement import agree_with_other_nodes, node_facts
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     _check_gathered(phases, findings, settings, placement, train.size)
     checkpoints, resume_from = locate(settings, cluster)
     if cluster is not None:
-        agree_with_other_nodes(cluster, placement.workers)
+        agree_with_other_nodes(cluster, node_facts(model, placement.workers, total_steps,
+                                                   sample_order(settings, train.size), settings.rewarmup_steps,
+                                                   resume_from))
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
@@ -497,18 +500,3 @@ def _check_gathered(phases: list[PhaseSpec], findings: preflight.Findings, setti
             raise ConfigError(f"step_fn calls sn_trainer.gather, and with drop_last=false the last micro-batch of an "
                               f"epoch has {rest} samples, fewer than the {workers} workers: every worker takes part "
                               "in each gather with a slice of its own; set drop_last=true or change batch_size")
-
-
-def agree_with_other_nodes(cluster: Cluster, workers: int) -> None:
-    """Every node must run the same number of workers: the shards and the batch split depend on it.
-
-    Raises:
-        ConfigError: another node runs another number.
-    """
-    store = cluster.store("nodes")
-    store.set(f"workers/{cluster.node_rank}", str(workers))
-    for node in range(cluster.nodes):
-        theirs = int(store.get(f"workers/{node}"))
-        if theirs != workers:
-            raise ConfigError(f"node {node} runs {theirs} workers, this node {workers}: every node needs "
-                              "the same workers=... (set it explicitly rather than auto)")

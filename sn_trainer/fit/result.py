@@ -15,6 +15,7 @@ from ..engine.layout import tied_aliases
 from ..engine.signals import StopFlags
 from ..engine.stages import STEP_STAGES
 from ..errors import TrainingDiverged, TrainingInterrupted
+from .membership import as_records
 from .session import Outcome
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class FitResult:
     stage_seconds_per_worker: list[dict[str, float]] = field(default_factory=list)
     # Each worker's seconds ready to run while other processes held its CPU (a busy machine's cost).
     run_queue_seconds: list[float] = field(default_factory=list)
+    # {step, nodes, workers}: the nodes and workers (in all) the run started with, then each change
+    # (an elastic restart, a resume at another size), carried on by the checkpoints
+    membership: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def workers(self) -> int:
@@ -143,7 +147,8 @@ def fit_result(outcome: Outcome, history: list[dict[str, Any]], last_saved: Path
         compile_seconds=max(0.0, lead.first_step_seconds - lead.train_seconds / lead.measured_steps)
         if plan.settings.compile and lead.measured_steps else None,
         stage_seconds_per_worker=[dict(r.stage_seconds) for r in results],
-        run_queue_seconds=[(r.cpu_seconds or {}).get("run_queue", 0.0) for r in results])
+        run_queue_seconds=[(r.cpu_seconds or {}).get("run_queue", 0.0) for r in results],
+        membership=as_records(plan.membership))
 
 
 def other_cpu_percent(results: list[WorkerResult], launcher_cpu: float) -> float | None:

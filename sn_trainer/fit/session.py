@@ -4,6 +4,7 @@ before they start, and given back when they are gone."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ from ..engine.shared import SharedParams, buffer_count
 from ..engine.signals import StopFlags, graceful_stop
 from ..engine.worker import run_worker
 from ..errors import TrainingInterrupted, WorkerFailed
+from . import membership
 from .resolve import Run
 
 log = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class Session:
             while True:
                 resumed = resume(resume_from, run, run.settings, run.first_plan.workers, self.cluster is None) \
                     if resume_from else None
-                plan = run.plan(resumed.step if resumed else 0)
+                plan = self._plan(resumed)
                 self.callbacks.load_states(resumed.callbacks if resumed else initial)
                 if restarts:
                     self.callbacks.call("on_restart", trainer, plan.start_step)
@@ -126,6 +128,16 @@ class Session:
                     restarts += 1
                     resume_from = self._restart_from(failure, restarts, resume_from)
                     stop.clear_for_restart()
+
+    def _plan(self, resumed: Resumed | None) -> Plan:
+        """A launch's plan: from the checkpoint's step, under the membership it continues (the
+        checkpoints it writes carry that on, and which torchrun job wrote them)."""
+        plan = self.run.plan(resumed.step if resumed else 0)
+        plan = dataclasses.replace(plan, membership=membership.continued(
+            resumed.membership if resumed else [], plan.start_step, plan.placement))
+        self.writer.carried = {"membership": membership.as_records(plan.membership),
+                               **({"torchrun_run_id": self.cluster.run_id} if self.cluster else {})}
+        return plan
 
     def deliver(self, rank: int, event) -> None:
         """A worker's event, to every callback's hook it names."""
