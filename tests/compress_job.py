@@ -19,7 +19,7 @@ SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 def model() -> nn.Module:
     """A hidden layer wide enough to be worth compressing, and an output layer too thin to be."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 3))
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 3))
 
 
 def main() -> None:

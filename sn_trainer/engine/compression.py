@@ -14,7 +14,10 @@ it to its next step's gradient: the nodes' errors add up to what the sum left ou
 
 torch's PowerSGD works on a DDP GradBucket and DDP's process group, which the engine has
 neither of; its state class holds the settings and the per-matrix memories here, and its
-orthogonalisation and worth-compressing test are used as they are.
+worth-compressing test is used as it is. P is orthogonalised by QR (Householder), not by the
+Gram-Schmidt torch's helper uses up to rank 2: where a gradient's rank is below the factors'
+(a zero gradient, a rank-1 one), Gram-Schmidt divides rounding noise by its own norm and the
+columns of P are no longer orthogonal, so P P^T M counts a direction twice; QR's stay orthonormal.
 """
 from __future__ import annotations
 
@@ -22,8 +25,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _orthogonalize,
-                                                                         _should_compress)
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress
 
 from .layout import FlatLayout
 
@@ -31,8 +33,6 @@ log = logging.getLogger(__name__)
 
 # A matrix is compressed where its factors are at most half its elements (torch's default rate).
 MIN_COMPRESSION_RATE = 2
-# Keeps a column of P that is all zeros (a parameter without gradient this step) from 0 / 0.
-ORTHOGONALIZATION_EPSILON = 1e-8
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,7 @@ class PowerSGD:
         # (the last Q, the next step's warm start). A fresh Q is drawn from (seed, matrix, step),
         # not from the state's stream, so that it is the same on every node and after a resume.
         self.state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, after),
-                                   min_compression_rate=MIN_COMPRESSION_RATE,
-                                   orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON, random_seed=seed)
+                                   min_compression_rate=MIN_COMPRESSION_RATE, random_seed=seed)
 
     def reduce(self, shard_grad: torch.Tensor, group) -> torch.Tensor:
         """Sum ``shard_grad`` over the nodes in place: exactly for the first ``after`` steps, then
@@ -147,7 +146,7 @@ class PowerSGD:
 
     def _compressed(self, shard_grad: torch.Tensor, group) -> None:
         """Every matrix's P, then every Q, each all-reduced in one message."""
-        rank, epsilon = self.state.matrix_approximation_rank, self.state.orthogonalization_epsilon
+        rank = self.state.matrix_approximation_rank
         ms = [self._with_error(index, shard_grad[m.start : m.stop].view(m.rows, m.cols))
               for index, m in enumerate(self.plan.matrices)]
         ps = torch.cat([(matrix @ self._q(index, m, shard_grad.dtype)).reshape(-1)
@@ -155,11 +154,10 @@ class PowerSGD:
         group.allreduce([ps]).wait()
         p_list, q_local, at = [], [], 0
         for matrix, m in zip(ms, self.plan.matrices):
-            p = ps[at : at + m.rows * rank].view(1, m.rows, rank)
+            p = torch.linalg.qr(ps[at : at + m.rows * rank].view(m.rows, rank)).Q
             at += m.rows * rank
-            _orthogonalize(p, epsilon)
-            p_list.append(p[0])
-            q_local.append(matrix.t() @ p[0])
+            p_list.append(p)
+            q_local.append(matrix.t() @ p)
         q_sum = torch.cat([q.reshape(-1) for q in q_local])
         group.allreduce([q_sum]).wait()
         at = 0
