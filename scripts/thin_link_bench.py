@@ -1,7 +1,8 @@
 """Two nodes over a thin link, with and without compress=powersgd, side by side in one run.
 
 Two network namespaces on this machine, joined by a veth pair whose both ends are shaped with
-``tc qdisc ... netem delay 1ms rate R`` (1 Gbit/s, then 100 Mbit/s), are the two nodes: one
+``tc qdisc ... netem delay 1ms rate R`` (1 Gbit/s, then 100 Mbit/s; where the kernel has no
+netem, ``tbf rate R`` with no delay added, and the results say which), are the two nodes: one
 torchrun in each, meeting at a static rendezvous on one end's address, one worker per node.
 For LeNet, cifar10_quick and the GPT preset (scripts/bench.py's sizes) it measures the step time
 (after a warm-up that also holds the compress_after steps) and the bytes each end of the pair
@@ -158,7 +159,7 @@ def build(args):
     from sn_trainer.data.datasets import image_splits, read_idx
 
     def pair(images, labels):
-        return read_idx(FASHION / images), read_idx(FASHION / labels).long()
+        return read_idx(FASHION / images).unsqueeze(1), read_idx(FASHION / labels).long()
 
     splits = image_splits(pair("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
                           pair("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"), 10, str(FASHION), False)
@@ -204,28 +205,37 @@ def accuracies(pair, rank: int, after: int, train_samples: int | None) -> list[d
     return rows
 
 
+def _percent(row: dict) -> str:
+    """Other processes' share of the machine's CPU while node 0 measured (its summary's other_cpu_percent):
+    node 1's processes count among them, about half the machine while it computes."""
+    return f"{row['other_cpu_percent']:.0f} %" if row.get("other_cpu_percent") is not None else "?"
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# Two nodes over a thin link (scripts/thin_link_bench.py)", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, {m['memory_gib']} GiB, torch "
              f"{m['torch']}; both nodes on it, one worker each, in two network namespaces joined by a veth pair, "
              f"each end shaped with tc: {', '.join(sorted({r['link'] for r in report['speeds']}))}. Other processes were running on this machine while "
-             "it measured (other engineers' tests): the figures are of a busy machine.", "",
-             f"compress=powersgd rank {report['rank']}; speed runs: {report['warmup']} warm-up steps (all but the "
-             f"last sent whole), then {report['steps']} measured steps, compressed.", "",
-             "| link | model | compress | step (s) | bytes on the wire per step (each end) | speed-up |",
-             "|---|---|---|---|---|---|"]
+             "it measured (other engineers' tests): the figures are of a busy machine. \"others' CPU\" is node 0's "
+             "other_cpu_percent, in which node 1 counts too (about 50 % while it computes).", "",
+             f"compress=powersgd rank {report['rank']}; speed runs ({report.get('speeds_measured', 'in this run')}): "
+             f"{report['warmup']} warm-up steps (all but the last sent whole), then {report['steps']} measured "
+             "steps, compressed.", "",
+             "| link | model | compress | step (s) | bytes on the wire per step (each end) | speed-up | others' CPU |",
+             "|---|---|---|---|---|---|---|"]
     plain = {(r["rate"], r["model"]): r["step_seconds"] for r in report["speeds"] if r["compress"] == "none"}
     for r in report["speeds"]:
         sent = " / ".join(f"{b / 1e3:.0f} kB" if b is not None else "?" for b in r["wire_bytes_per_step"])
         lines.append(f"| {r['rate']} | {r['model']} | {r['compress']} | {r['step_seconds']:.3f} | {sent} | "
-                     f"{plain[(r['rate'], r['model'])] / r['step_seconds']:.2f}x |")
+                     f"{plain[(r['rate'], r['model'])] / r['step_seconds']:.2f}x | {_percent(r)} |")
     if report["accuracy"]:
         lines += ["", f"LeNet on Fashion-MNIST, 3 epochs ({report['train_samples'] or 60000} training images), "
                       "batch 64, SGD lr 0.02 momentum 0.9, at 1 Gbit/s; test accuracy on the 10,000 test images:", "",
-                  "| compress | test accuracy | steps | wall (s) |", "|---|---|---|---|"]
+                  "| compress | test accuracy | steps | wall (s) | others' CPU |", "|---|---|---|---|---|"]
         for r in report["accuracy"]:
-            lines.append(f"| {r['compression']} | {100 * r['eval_accuracy']:.2f} % | {r['steps']} | {r['seconds']:.0f} |")
+            lines.append(f"| {r['compression']} | {100 * r['eval_accuracy']:.2f} % | {r['steps']} | {r['seconds']:.0f} | "
+                         f"{_percent(r)} |")
     return "\n".join(lines)
 
 
@@ -239,6 +249,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--speeds-from", help="take the speed rows from this file (JSON lines, as a run prints "
+                                              "them) instead of measuring them again")
     parser.add_argument("--report", help="write <report>.md and <report>.json (default results/<machine>/thin_link)")
     args = parser.parse_args()
     if args.as_node:
@@ -251,7 +263,9 @@ def main() -> None:
     with veth_pair() as pair:
         report = {"machine": describe_machine(), "rank": args.rank, "warmup": warmup, "steps": steps,
                   "train_samples": args.train_samples,
-                  "speeds": speeds(pair, ("100mbit",) if args.quick else RATES, warmup, steps, args.rank)}
+                  "speeds": [json.loads(line) for line in Path(args.speeds_from).read_text().splitlines()]
+                  if args.speeds_from else speeds(pair, ("100mbit",) if args.quick else RATES, warmup, steps, args.rank),
+                  "speeds_measured": "earlier, in the run that printed them" if args.speeds_from else "in this run"}
         after = (3 * (args.train_samples or 60000) // 64) // 10  # ~10% of the steps sent whole first
         report["accuracy"] = [] if args.quick else accuracies(pair, args.rank, after, args.train_samples)
     target = Path(args.report) if args.report else ROOT / "results" / machine_slug(report["machine"]) / "thin_link"
