@@ -24,6 +24,7 @@ START_METHODS = ("forkserver", "spawn")
 ALLOCATORS = ("system", "jemalloc", "tcmalloc")  # the libraries each needs: engine/runtime.py
 OPENMPS = ("gnu", "intel")
 SPLITS = ("exact", "like_ddp")
+COMPRESSIONS = ("none", "powersgd")
 
 __all__ = ["CheckpointConfig", "ConfigError", "TrainerConfig", "option", "part", "setting_rows"]
 
@@ -130,6 +131,12 @@ class TrainerConfig:
                                  "split) or `like_ddp` (a loss with no exact split, such as a detector's, is weighed "
                                  "as DDP weighs it: each worker's mean, averaged over the workers; like DDP, not "
                                  "exact)")
+    compress: str = option("none", "between nodes only: `powersgd` sends each shard's gradient as low-rank factors "
+                                   "with error feedback (approximate; summary.json says so), `none` sends it whole "
+                                   "(exact)")
+    compress_rank: int = option(2, "with compress=powersgd, the rank of the factors (1 to 4 are typical); a matrix "
+                                   "whose smaller side is at most this goes uncompressed")
+    compress_after: int = option(10, "with compress=powersgd, optimizer steps sent uncompressed (exact) first")
     sync_batchnorm: bool = option(False, "batch norm statistics over the global batch (exact), instead of each "
                                          "worker's slice (like DDP)")
     ema_decay: float | None = option(None, "keep an exponential moving average of the weights (ema = d x ema + (1 - "
@@ -181,7 +188,7 @@ class TrainerConfig:
             positive_int(getattr(self, name), name)
         for name in ("max_steps", "eval_every", "max_eval_batches"):
             positive_int(getattr(self, name), name, nullable=True)
-        for name in ("bucket_kb", "measure_after", "max_restarts", "rewarmup_steps"):
+        for name in ("bucket_kb", "measure_after", "max_restarts", "rewarmup_steps", "compress_after"):
             positive_int(getattr(self, name), name, minimum=0)
         require(is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("shuffle", "drop_last", "sync_batchnorm", "resume_strict"):
@@ -201,6 +208,8 @@ class TrainerConfig:
         one_of(self.openmp, "openmp", (*OPENMPS, "auto"))
         one_of(self.reduce, "reduce", REDUCE_MODES)
         one_of(self.on_nan, "on_nan", ("stop", "skip"))
+        one_of(self.compress, "compress", COMPRESSIONS)
+        positive_int(self.compress_rank, "compress_rank")
         require(self.ema_decay is None or (isinstance(self.ema_decay, (int, float))
                                            and not isinstance(self.ema_decay, bool) and 0 < self.ema_decay < 1),
                 f"ema_decay must be between 0 and 1 (e.g. 0.999) or null, got {self.ema_decay!r}")

@@ -153,13 +153,27 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
     if settings.ema_decay is not None and saved.get("ema") is None:
         log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed", path)
     stream = (saved.get("run") or {}).get("stream")
-    shares = [{"phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups) if held else {},
+    compress = _compression_states(saved, settings, workers, path)
+    shares = [{"compress": compress[rank] if compress else None, "phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups) if held else {},
                            "schedule": schedule}
                           for phase, held, schedule in zip(run.phases, optimizers, schedules)],
                "rng": saved["rng"][rank] if same_streams else None, "stream": stream}
               for rank in range(workers)]
     return Resumed(saved["step"], saved.get("ema"), shares, saved.get("callbacks") or {},
                    (saved.get("run") or {}).get("membership") or [])
+
+
+def _compression_states(saved: dict[str, Any], settings: TrainerConfig, workers: int, path) -> list | None:
+    """compress=powersgd: each worker's shard's error feedback (of every node) and warm-start Qs, where
+    the checkpoint holds them for as many workers per node; else None, said (they start afresh)."""
+    held = saved.get("compress")
+    if settings.compress == "none":
+        return None
+    if held is None or len(held) != workers:
+        log.warning("%s holds no compression state for %d workers per node: error feedback starts from zero and "
+                    "the first compressed step draws new factors", path, workers)
+        return None
+    return held
 
 
 def check_same_run(saved: dict[str, Any], path, order: dict[str, Any], run_config: dict[str, Any] | None,

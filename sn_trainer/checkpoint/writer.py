@@ -68,6 +68,9 @@ class CheckpointWriter(Callback):
         optimizer, schedule = files.phase_entries(optimizers, schedules)
         run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream"),
                **self.carried}
-        return files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
-                           schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
-                           callbacks=self.callbacks.states())
+        saved = files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
+                            schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
+                            callbacks=self.callbacks.states())
+        if all("compress" in p for p in ordered):  # compress=powersgd: each shard's, of every node
+            saved["compress"] = [p["compress"] for p in ordered]
+        return saved

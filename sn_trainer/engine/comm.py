@@ -400,12 +400,14 @@ class CrossNodeReducer:
     """A node's reducer, then an all-reduce of each shard with the same shard of the other nodes.
 
     Every node applies the same update to the same parameters, so the nodes' shared parameters
-    stay identical without ever being sent.
+    stay identical without ever being sent. ``compressor`` (compress=powersgd) sends the shard
+    as low-rank factors instead (engine/compress.py): approximate.
     """
 
-    def __init__(self, local: Reducer, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0):
-        self.local = local
-        self.name = f"{local.name} in the node, gloo across {nodes} nodes"
+    def __init__(self, local: Reducer, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0,
+                 compressor=None):
+        self.local, self.compressor = local, compressor
+        self.name = f"{local.name} in the node, gloo across {nodes} nodes{', powersgd' if compressor else ''}"
         self.grad_flat = local.grad_flat
         self.shard_grad = local.shard_grad
         self.group = gloo_group(store, node_rank, nodes, device, timeout_s)
@@ -418,6 +420,8 @@ class CrossNodeReducer:
 
     def reduce(self) -> torch.Tensor:
         shard_grad = self.local.reduce()
+        if self.compressor is not None:
+            return self.compressor.reduce(shard_grad, self.group)
         self.group.allreduce([shard_grad]).wait()
         return shard_grad
 

@@ -129,4 +129,13 @@ class Plan:
                 "pinning": [list(c) for c in p.pinning], "comm": comm_used or s.comm, "loss_form": self.loss_form,
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phase_forms],
                 "per_worker_batch": self.per_worker_batch, "data": data, "steps_per_epoch": self.steps_per_epoch,
-                "total_steps": self.total_steps, "start_step": self.start_step, "notes": list(p.notes)}
+                "total_steps": self.total_steps, "start_step": self.start_step, "notes": list(p.notes),
+                "compression": self.compression}
+
+    @property
+    def compression(self) -> str:
+        """What crosses between nodes, and whether that is exact (the plan, the log, summary.json say it)."""
+        s = self.settings
+        if s.compress == "none":
+            return "none: every shard's sum sent whole between nodes (exact)" if self.placement.nodes > 1 else "none"
+        return f"{s.compress} rank {s.compress_rank} after {s.compress_after} steps: approximate"

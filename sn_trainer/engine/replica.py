@@ -22,6 +22,7 @@ from . import metric_states, position, random_state
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
+from .compression import PowerSGD, shard_compression
 from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from .launch import Heartbeats, pack
 from .layout import FlatLayout, tied_aliases
@@ -96,6 +97,7 @@ class Replica:
         self.runner = torch.compile(self.model) if settings.compile else self.model
         self.params = self.layout.parameters(self.model)
         self.buffers = ReplicaBuffers(self.model, spec.rank)
+        self._compression_state: tuple[int, dict] | None = None  # compress=powersgd: (step, every node's state)
         self.reducer = self._reducer(spec)
         self.cluster = spec.cluster
         self.layout.attach_gradients(self.model, self.reducer.grad_flat)
@@ -132,7 +134,30 @@ class Replica:
         if spec.cluster is None:
             return reducer
         return CrossNodeReducer(reducer, spec.cluster.store(f"shard{spec.rank}"), spec.cluster.node_rank,
-                                spec.cluster.nodes, spec.cluster.device(), backstop)
+                                spec.cluster.nodes, spec.cluster.device(), backstop, self._compressor(spec))
+
+    def _compressor(self, spec: WorkerSpec) -> PowerSGD | None:
+        """compress=powersgd: this worker's exchange of its shard between nodes (None: sent whole)."""
+        settings = self.plan.settings
+        if settings.compress == "none":
+            return None
+        rank = spec.rank
+        plan = shard_compression(self.layout, rank, settings.compress_rank)
+        compressor = PowerSGD(plan, settings.compress_rank, settings.compress_after,
+                              seed=settings.seed * 1_000_003 + rank, steps_done=self.plan.start_step)
+        saved = (spec.share or {}).get("compress")
+        if saved is not None:
+            compressor.load_state(saved, spec.cluster.node_rank, spec.cluster.nodes)
+        return compressor
+
+    def keep_compression(self, step_done: int) -> None:
+        """At a scheduled checkpoint after ``step_done``, with compress=powersgd, every node's worker
+        gathers its shard's compression state from all nodes: the leader's checkpoint keeps each node's."""
+        compressor = getattr(self.reducer, "compressor", None)
+        settings = self.plan.settings
+        if compressor is None or settings.checkpoint.dir is None or not self.plan.checkpoint_due(step_done):
+            return
+        self._compression_state = (step_done, compressor.gathered_state(self.reducer.group, self.cluster.nodes))
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over every worker of every node, in place."""
@@ -377,6 +402,9 @@ class Replica:
         (and, from worker 0, the model's and where the stream goes on after step ``step_done``), as
         tensors and plain data."""
         part = {"rank": self.rank, "phases": [phase.state() for phase in self.phases], "rng": random_state.capture()}
+        kept = self._compression_state
+        if kept is not None and kept[0] == step_done:  # compress=powersgd: every node's, gathered at this step
+            part["compress"] = kept[1]
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}

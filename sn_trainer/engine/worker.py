@@ -202,6 +202,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
             stopping = replica.agree_on_stop(done)  # what the callbacks decide applies to this step
             meter.evaluated(time.perf_counter() - started)
         replica.scheduled_points(done, evaluated)
+        replica.keep_compression(done)  # on every node, where due: the leader's checkpoint holds each node's
         if plan.checkpointing and (stopping or plan.checkpoint_due(done) or launch.stop.saves_at(done)):
             beat("checkpoint")
             send(CheckpointPart(replica.rank, done, replica.state_part(done)))

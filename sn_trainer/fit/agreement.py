@@ -13,19 +13,24 @@ from ..checkpoint.files import CheckpointDir
 from ..engine.cluster import Cluster
 from ..errors import ConfigError
 
+# Settings beyond the batch's that change the update every node applies: nodes that differ in them
+# would drift apart without an error.
+AGREED_SETTINGS = ("rewarmup_steps", "compress", "compress_rank", "compress_after")
+
 
 def node_facts(model: nn.Module, workers: int, total_steps: int, sample_order: dict[str, Any],
-               rewarmup_steps: int, resume_from: Path | None) -> dict[str, Any]:
+               settings: dict[str, Any], resume_from: Path | None) -> dict[str, Any]:
     """This node's side of the agreement: what decides the shards, the batch split, the steps
-    trained and the state they start from. The model is its parameters' and buffers' names,
-    shapes and dtypes, as a count, a size and a digest."""
+    trained, the update (``settings``: the learning-rate ramp, the compression between nodes) and
+    the state they start from. The model is its parameters' and buffers' names, shapes and
+    dtypes, as a count, a size and a digest."""
     entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict().items()]
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()[:12]
     size = sum(t.numel() for t in model.state_dict().values())
     return {"sn_trainer": __version__, "workers": workers,
             "model": f"{len(entries)} tensors of {size} elements (digest {digest})",
             **{name: value for name, value in sample_order.items()}, "steps": total_steps,
-            "rewarmup_steps": rewarmup_steps, "resumes from step": resumed_step(resume_from)}
+            **settings, "resumes from step": resumed_step(resume_from)}
 
 
 def resumed_step(resume_from: Path | None) -> int | None:

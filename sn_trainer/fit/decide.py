@@ -59,10 +59,15 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
                      "workers were spawned (cold) with it")
         start_method = "spawn"
     comm = choose_reducer(config.comm, workers, notes)
+    compress = config.compress
+    if compress != "none" and nodes == 1:
+        notes.append(f"compress={compress} asked for, none ran: compress applies between nodes only, and this run "
+                     "is one node (its workers sum exactly in shared memory)")
+        compress = "none"
     for note in notes:
         log.warning(note)
     settings = dataclasses.replace(config, workers=workers, threads=threads, precision=precision, comm=comm,
-                                   allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
+                                   compress=compress, allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
     return settings, Placement(tuple(plan_pinning(topology, workers, threads)), nodes,
                                cluster.node_rank if cluster else 0, tuple(notes))
 

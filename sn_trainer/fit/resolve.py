@@ -20,7 +20,7 @@ from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, different_orders, make_source
-from ..engine import metric_states, random_state
+from ..engine import compression, metric_states, random_state
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
 from ..engine.layout import FlatLayout, trainable_parameters
@@ -32,7 +32,7 @@ from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
 from . import decide, loss_probe, preflight
-from .agreement import agree_with_other_nodes, node_facts
+from .agreement import AGREED_SETTINGS, agree_with_other_nodes, node_facts
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +132,18 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     checkpoints, resume_from = locate(settings, cluster)
     if cluster is not None:
         agree_with_other_nodes(cluster, node_facts(model, placement.workers, total_steps,
-                                                   sample_order(settings, train.size), settings.rewarmup_steps,
+                                                   sample_order(settings, train.size), {
+                                                       name: getattr(settings, name) for name in AGREED_SETTINGS},
                                                    resume_from))
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
                 evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
                 evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited)
+    layout = FlatLayout(model, placement.workers, settings.channels_last, settings.shards)
+    _say_compression(settings, phases, layout)
     return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
-               layout=FlatLayout(model, placement.workers, settings.channels_last, settings.shards),
+               layout=layout,
                findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,
                sample_order=sample_order(settings, train.size), run_config=given.run_config,
                initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -473,6 +476,21 @@ def _check_combinations(settings: TrainerConfig, placement: Placement, dataset_s
             raise ConfigError(f"sync_batchnorm with drop_last=false: the last micro-batch of an epoch has "
                               f"{rest} samples, fewer than the {workers} workers, and every worker must take "
                               "part in each batch norm; set drop_last=true or change batch_size")
+
+
+def _say_compression(settings: TrainerConfig, phases: list[PhaseSpec], layout: FlatLayout) -> None:
+    """compress=powersgd (between nodes: one node has set it to none): say once what it compresses
+    and that the run is approximate.
+
+    Raises:
+        ConfigError: several phases (their gradients share one error feedback per shard).
+    """
+    if settings.compress == "none":
+        return
+    if len(phases) > 1:
+        raise ConfigError(f"compress={settings.compress} keeps one error feedback per shard, and this run updates "
+                          f"{len(phases)} optimizers in turn (phases); use compress=none")
+    log.warning("%s", compression.describe(layout, settings.compress_rank, settings.compress_after))
 
 
 def _check_gathered(phases: list[PhaseSpec], findings: preflight.Findings, settings: TrainerConfig,

@@ -37,6 +37,7 @@ class FitResult:
     peak_memory_bytes: int
     settings: TrainerConfig  # as the run used them: every auto decided (across nodes, comm as asked)
     comm: str  # the reducer that ran (comm=auto decides at start-up)
+    compression: str = "none"  # what crossed between nodes: "none", or e.g. "powersgd rank 2 after 10 steps: approximate"
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)  # every eval_* the last evaluation gave
@@ -139,7 +140,7 @@ def fit_result(outcome: Outcome, history: list[dict[str, Any]], last_saved: Path
         measured_steps=lead.measured_steps, final_loss=lead.final_loss, train_seconds=lead.train_seconds,
         stage_seconds={s: sum(r.stage_seconds[s] for r in results) / len(results) for s in STEP_STAGES},
         peak_memory_bytes=max(outcome.peak_bytes, sum(r.pss_bytes for r in results)), settings=settings,
-        comm=lead.reducer, eval_loss=eval_metrics.get("eval_loss"), eval_accuracy=eval_metrics.get("eval_accuracy"),
+        comm=lead.reducer, compression=plan.compression, eval_loss=eval_metrics.get("eval_loss"), eval_accuracy=eval_metrics.get("eval_accuracy"),
         eval_metrics=eval_metrics, eval_error=lead.eval_metrics.get("eval_error"), history=history,
         cpu_percent_per_core=lead.cpu_percent_per_core, skipped_steps=lead.skipped_steps, restarts=outcome.restarts,
         last_checkpoint=str(last_saved) if last_saved else None, other_cpu_percent=other,
