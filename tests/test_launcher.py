@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main(out, backend):
+    if backend == "sn":
+        import sn_trainer.distributed  # registers the shared-memory backend
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -124,6 +126,10 @@ def test_a_ddp_script_over_gloo_trains_as_one_process_each_rank_on_its_own_cores
         where = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert where == {"affinity": cpus[rank], "threads": threads, "omp": str(threads)}
         assert f"local rank {rank} -> cpus {','.join(map(str, cpus[rank]))}, {threads} intra-op thread" in err
+
+
+def test_the_same_ddp_script_over_sn_trains_as_one_process(tmp_path):
+    assert_trains_as_one_process(tmp_path, "sn")
 
 
 def test_auto_is_the_usable_physical_cores_over_the_threads_in_numa_order(tmp_path):
