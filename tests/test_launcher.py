@@ -187,10 +187,16 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, flags, says):
 @pytest.mark.parametrize("how", ["module", "no-python", "run-path"])  # a script: the tests above
 def test_every_way_torchrun_runs_a_program_is_pinned(tmp_path, how):
     write(tmp_path, "probe.py", """
-        import json, os, sys
+        import json, os, pickle, sys
+
+
+        class Defined:  # pickled by reference to __main__, as a script's own classes are
+            pass
+
+
         with open(os.path.join(sys.argv[1], "probe.json"), "w") as f:
             json.dump({"affinity": sorted(os.sched_getaffinity(0)), "omp": os.environ["OMP_NUM_THREADS"],
-                       "argv": sys.argv[1:]}, f)
+                       "argv": sys.argv[1:], "pickles": type(pickle.loads(pickle.dumps(Defined()))) is Defined}, f)
     """)
     program = {"module": ["-m", "probe"], "run-path": ["--run-path", "probe.py"],
                "no-python": ["--no-python", sys.executable, "probe.py"]}[how]
@@ -198,7 +204,32 @@ def test_every_way_torchrun_runs_a_program_is_pinned(tmp_path, how):
     assert rc == 0, err
     threads, cpus = expected_placement(1)
     probe = json.loads((tmp_path / "probe.json").read_text())
-    assert probe == {"affinity": cpus[0], "omp": str(threads), "argv": [str(tmp_path), "--flag"]}
+    assert probe == {"affinity": cpus[0], "omp": str(threads), "argv": [str(tmp_path), "--flag"], "pickles": True}
+
+
+def test_the_allocator_and_openmp_asked_for_are_loaded_in_each_rank(tmp_path):
+    write(tmp_path, "maps.py", """
+        import sys
+        with open(sys.argv[1] + "/maps.txt", "w") as f:
+            f.write(open("/proc/self/maps").read())
+    """)
+    rc, _, err = launch(["--nproc-per-node=1", "--allocator=jemalloc", "--openmp=intel", "maps.py", str(tmp_path)],
+                        tmp_path)
+    assert rc == 0, err
+    maps = (tmp_path / "maps.txt").read_text()
+    assert "libjemalloc" in maps and "libiomp5" in maps
+    assert "allocator=jemalloc openmp=intel" in err
+
+
+def test_the_plan_reaches_the_ranks_through_their_environment(tmp_path):
+    topology = read_topology(make_sys(tmp_path, sockets=1, cores_per_socket=4, smt=False), proc_root=tmp_path / "no")
+    plan = resolve("2", None, True, Runtime("jemalloc", "gnu"), topology, {})
+    variables = plan.environment("libmine.so")
+    assert variables["SN_LAUNCH_CPUS"] == "0,1;2,3" and variables["OMP_NUM_THREADS"] == "2"
+    assert variables["LD_PRELOAD"].endswith(":libmine.so") and "jemalloc" in variables["LD_PRELOAD"]
+    unpinned = resolve("2", None, False, Runtime("system", "gnu"), topology, {})
+    assert unpinned.cpus is None and "SN_LAUNCH_CPUS" not in unpinned.environment(None)
+    assert "LD_PRELOAD" not in unpinned.environment(None)
 
 
 def test_torchruns_restarts_pass_through(tmp_path):
