@@ -137,6 +137,8 @@ def test_auto_is_the_usable_physical_cores_over_the_threads_in_numa_order(tmp_pa
     runtime = Runtime("system", "gnu")
     one = resolve("auto", None, True, runtime, topology, {})
     assert (one.nproc, one.threads) == (8, 1)
+    assert one.lines()[0] == ("sn_trainer.launch: --nproc-per-node=auto: 8 processes (8 usable physical cores / 1 "
+                              "intra-op threads each)")
     assert one.cpus == ((0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,))  # one hyper-thread of each core
     two = resolve("auto", 2, True, runtime, topology, {})
     assert (two.nproc, two.cpus) == (4, ((0, 1), (2, 3), (4, 5), (6, 7)))  # a rank's cores on one socket
