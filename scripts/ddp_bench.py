@@ -142,7 +142,9 @@ def markdown(report: dict) -> str:
              "the Trainer's own samples_per_sec), medians over rounds [min-max].", "",
              f"**Shared machine**: other processes used {load['others_cpu_seconds']:.0f} CPU s of the "
              f"{load['machine_cpu_seconds']:.0f} CPU s the machine spent during the {load['wall_seconds']:.0f} s run "
-             f"({load['others_share']:.0%}; this run's process tree sampled every 0.5 s); the figures are lower and noisier than on an idle machine.", "",
+             f"({load['others_share']:.0%}; this run's process tree sampled every 0.5 s); the figures are lower and noisier than on an idle machine"
+             + (", and pinned processes cannot move off cores that others keep busy: these rows cannot judge one "
+                "variant against another; rerun on an idle machine." if load["others_share"] > 0.25 else "."), "",
              "| case | " + " | ".join(LABELS[v] for v in VARIANTS) + " | launch+sn / torchrun+gloo | "
              "launch+sn / Trainer |", "|---|" + "---:|" * (len(VARIANTS) + 2)]
     for label, row in report["rows"].items():
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     load = {"wall_seconds": wall, "machine_cpu_seconds": busy, "others_cpu_seconds": max(0.0, busy - own),
             "others_share": max(0.0, busy - own) / busy if busy else 0.0}
     return {"machine": describe_machine(), "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "command": "python scripts/ddp_bench.py " + " ".join(sys.argv[1:]),
+            "warmup": args.warmup, "command": " ".join(["python scripts/ddp_bench.py", *sys.argv[1:]]),
             "rows": rows, "placement": placement, "load": load}
 
 
