@@ -66,3 +66,9 @@ class TrainingDiverged(RuntimeError):
         else:
             super().__init__(f"loss or gradient became non-finite at step {step} (no update applied, no checkpoint "
                              "written); lower the learning rate, set clip_grad_norm, or use on_nan=skip")
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the ``"sn"`` torch.distributed backend could not complete: a peer died or
+    never arrived within the group's timeout, or the ranks called it with different tensors; the
+    message names the rank and what differed."""

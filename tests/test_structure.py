@@ -18,6 +18,7 @@ LAYERS = {
     "errors": 0, "config": 0,  # the vocabulary: what can go wrong, and every setting
     "data": 1, "models": 1, "optim": 1, "phase": 1,  # the parts a run is made of
     "engine": 2,  # the workers: reads a resolved plan, owns no file format and no reporting
+    "distributed": 3,  # the "sn" torch.distributed backend, for code that already runs DDP
     "callbacks": 3, "checkpoint": 3, "export": 3, "tuner": 3,  # the launcher's components
     "report": 4,  # writers the command line attaches (progress, TensorBoard, MLflow) and the sweep report
     "fit": 5,  # one fit: resolve, session, result

@@ -1,0 +1,21 @@
+"""A torch.distributed backend named "sn": collectives among the processes of one node through shared memory.
+
+``import sn_trainer.distributed`` registers it; then ``torch.distributed.init_process_group("sn")``
+(or ``DDPStrategy(process_group_backend="sn")``, ``InitProcessGroupKwargs(backend="sn")``) uses it.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .group import SnProcessGroup, create_sn_group
+
+__all__ = ["SnProcessGroup", "register"]
+
+
+def register() -> None:
+    """Register the "sn" backend with torch.distributed (done on import; calling it again does nothing)."""
+    if "sn" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("sn", create_sn_group, devices=["cpu"])
+
+
+register()
