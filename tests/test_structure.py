@@ -25,6 +25,7 @@ LAYERS = {
     "doctor": 5,  # reads what a fit returned or a run's folder holds, against the seeds' tables
     "trainer": 6,  # the public API
     "cli": 7, "__main__": 7, "__init__": 7,  # the command line, and the package's lazy names
+    "launch": 7,  # a pinning torchrun: an edge like the command line
 }
 
 
