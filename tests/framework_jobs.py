@@ -1,12 +1,11 @@
 """Jobs that tests/test_frameworks.py starts: a framework's own training over a named process group.
 
-``python framework_jobs.py FRAMEWORK --backend sn|gloo --out DIR``, run under torchrun (or, for
+``python framework_jobs.py FRAMEWORK --backend sn|gloo --out DIR``, run under sn_trainer.launch (or, for
 Lightning, also as a plain script that Lightning starts its own processes from). Every rank writes
 DIR/rank<r>.pt: the backend of the group its DDP wrapper reduced over, that group's backend class,
 and the trained parameters, so that the test can compare "sn" with gloo.
 """
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -19,10 +18,7 @@ from torch.nn import functional as F
 def use_backend(name: str) -> None:
     """Registers "sn" the way a user does: by importing its module."""
     if name == "sn":
-        if os.environ.get("SN_TEST_STANDIN"):
-            import sn_standin  # noqa: F401
-        else:
-            import sn_trainer.distributed  # noqa: F401
+        import sn_trainer.distributed  # noqa: F401
 
 
 def regression_data(n: int = 48, seed: int = 0):
@@ -40,8 +36,10 @@ def record(out: str, ddp_model, **extra) -> None:
     """What this rank trained and over which group: DIR/rank<r>.pt."""
     group = ddp_model.process_group
     state = {k: v.detach().clone() for k, v in ddp_model.module.state_dict().items()}
+    # A group written in Python is the group itself; torch's own hold their backend inside.
+    implementation = group if type(group) is not dist.ProcessGroup else group._get_backend(torch.device("cpu"))
     found = {"backend": dist.get_backend(group), "world_size": dist.get_world_size(group),
-             "backend_class": type(group._get_backend(torch.device("cpu"))).__name__, "state": state, **extra}
+             "backend_class": type(implementation).__name__, "state": state, **extra}
     torch.save(found, Path(out) / f"rank{dist.get_rank()}.pt")
 
 

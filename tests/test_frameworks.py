@@ -19,7 +19,7 @@ from framework_jobs import regression_data, small_net
 pytestmark = pytest.mark.timeout(300)
 TESTS = Path(__file__).parent
 JOB = TESTS / "framework_jobs.py"
-LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--monitor-interval=0.5"]
+LAUNCHER = [sys.executable, "-m", "sn_trainer.launch", "--nproc-per-node=2", "--monitor-interval=0.5"]
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
 
@@ -39,6 +39,8 @@ def assert_over(ranks, backend):
     """Both ranks reduced over a 2-process group of this backend and hold the same parameters."""
     for found in ranks:
         assert (found["backend"], found["world_size"]) == (backend, 2)
+        # The group's own class: sn_trainer's shared-memory group, not gloo under another name.
+        assert found["backend_class"] == {"sn": "SnProcessGroup", "gloo": "ProcessGroupGloo"}[backend]
     for name, value in ranks[0]["state"].items():
         assert torch.equal(ranks[1]["state"][name], value), name
 
