@@ -1,9 +1,10 @@
 """The collectives of the "sn" backend, moved in fixed-size chunks through one group's segment.
 
-Every element of a reduction is combined by exactly one rank, in the order rank 0, 1, ..., W-1, and
-every rank then reads that one result: the ranks' results are bit-identical by construction, and the
-same for the same inputs whatever the chunking. float16 and bfloat16 are combined in float32 and
-rounded once at the end (as the sum of W values rounded to the dtype once).
+Every element of a reduction is combined in the order rank 0, 1, ..., W-1, by elementwise operations
+only: either by one rank whose result all then read, or by every rank from the same values with the
+same operations. Either way the ranks' results are bit-identical by construction, and the same for the
+same inputs whatever the chunking. float16 and bfloat16 are combined in float32 and rounded once at the
+end (the exact sum of W values rounded to the dtype once, where float32 holds it exactly).
 
 Chunks alternate between the segment's two slot sets: a rank writes a set again only after the
 next chunk's barrier, which every rank reaches only once it has read the previous chunk.
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from ..errors import CollectiveFailed
 from .segment import Segment
 
+# Up to this many bytes read per chunk, every rank combines a whole chunk itself (see all_reduce).
+_WHOLE_CHUNK_BYTES = 1 << 20
 # Codes written in the segment's headers, compared across ranks before any data is read.
 _DTYPES = {dtype: code for code, dtype in enumerate((
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
@@ -51,19 +54,22 @@ def check_reducible(dtype: torch.dtype, op: str) -> None:
 
 def combine(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
     """``out`` = rows[0] op rows[1] op ... op rows[W-1], in that order (``out`` may be ``rows[0]``)."""
-    step = _IN_PLACE[op]
+    step, count = _IN_PLACE[op], rows.shape[0]
     if rows.dtype in (torch.float16, torch.bfloat16):
         acc = rows[0].float()
         for row in rows[1:]:
             step(acc, row.float())
     else:
         acc = out
-        if out.data_ptr() != rows[0].data_ptr():
+        if op in ("SUM", "AVG") and rows.shape[0] > 1 and out.data_ptr() != rows[1].data_ptr():
+            torch.add(rows[0], rows[1], out=out)  # one pass instead of a copy and an add
+            rows = rows[1:]
+        elif out.data_ptr() != rows[0].data_ptr():
             out.copy_(rows[0])
         for row in rows[1:]:
             step(acc, row)
     if op == "AVG":
-        acc.div_(rows.shape[0])
+        acc.div_(count)
     if acc is not out:
         out.copy_(acc)
 
@@ -100,12 +106,18 @@ class Collectives:
         return slots
 
     def _chunk_elements(self, dtype: torch.dtype, per_rank_parts: int = 1) -> int:
-        return max(1, self.segment.slot_bytes // _itemsize(dtype) // per_rank_parts)
+        return max(1, self.segment.slot_bytes // dtype.itemsize // per_rank_parts)
 
     # --- collectives -----------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        """Combine ``tensor`` over the ranks in place (contiguous)."""
+        """Combine ``tensor`` over the ranks in place (contiguous).
+
+        A chunk is combined whole by every rank (one barrier; every rank runs the same elementwise
+        operations in the same order on the same values, so the results are bit-identical) while that
+        reads little: at two ranks, or for small chunks. Otherwise each rank combines its own part of the
+        chunk and all read the parts (a second barrier, but each rank reads each value once).
+        """
         check_reducible(tensor.dtype, op)
         flat = tensor.view(-1)
         self._begin("all_reduce", tensor.dtype, flat.numel(), list(_IN_PLACE).index(op))
@@ -118,6 +130,9 @@ class Collectives:
             self.segment.barrier("all_reduce")
             if start == 0:
                 self._check("all_reduce")
+            if self.world_size <= 2 or n * tensor.dtype.itemsize * self.world_size <= _WHOLE_CHUNK_BYTES:
+                combine(slots[:, :n], piece, op)
+                continue
             lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
             combine(slots[:, lo:hi], slots[0, lo:hi], op)
             self.segment.barrier("all_reduce")
@@ -177,10 +192,6 @@ class Collectives:
         self._begin("barrier", torch.uint8, 0)
         self.segment.barrier("barrier")
         self._check("barrier")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _describe(row: list[int]) -> str:

@@ -22,9 +22,9 @@ log = logging.getLogger("sn_trainer")
 # Each rank's data slot, in each of the two alternating sets: what one chunk of a collective moves.
 SLOT_BYTES = 4 << 20
 # Operations handed to gloo as they are (same arguments, same Work).
-GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "scatter", "reduce", "reduce_scatter",
-                   "alltoall", "alltoall_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
-                   "reduce_scatter_tensor_coalesced")
+GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "gather_single", "gather_into_tensor", "scatter",
+                   "reduce", "reduce_scatter", "alltoall", "alltoall_base", "all_to_all_single",
+                   "allgather_coalesced", "monitored_barrier")
 
 
 class DoneWork(dist.Work):
@@ -136,6 +136,22 @@ class SnProcessGroup(dist.ProcessGroup):
                                    f"{output.numel()} {output.dtype}, got {tensor.numel()} {tensor.dtype}")
         _in_place(output, lambda out: self._collectives.reduce_scatter(out, tensor.contiguous(), op), copy_in=False)
         return DoneWork([output])
+
+    all_gather_single = _allgather_base  # what torch's all_gather_into_tensor calls
+    reduce_scatter_single = _reduce_scatter_base  # and reduce_scatter_tensor
+
+    def all_gather_single_coalesced(self, outputs, tensors, opts=None):
+        for output, tensor in zip(outputs, tensors):
+            self._allgather_base(output, tensor, opts)
+        return DoneWork(list(outputs))
+
+    def reduce_scatter_single_coalesced(self, outputs, tensors, opts=None):
+        for output, tensor in zip(outputs, tensors):
+            self._reduce_scatter_base(output, tensor, opts)
+        return DoneWork(list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
         self._collectives.barrier()

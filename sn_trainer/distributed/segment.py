@@ -7,6 +7,7 @@ mapping stays, the name is gone, so nothing is left behind whatever happens to t
 Layout, in int64 words then data bytes:
     pids[W]                      each rank's process id, to tell a dead peer from a slow one
     arrivals[W]                  the barrier generation each rank has reached
+    bells[W]                     the same generation as an int32 futex word, for peers that sleep
     headers[2][W][HEADER_WORDS]  what each rank's current collective is (compared before any data is read)
     slots[2][W][slot_bytes]      data: two alternating sets, one slot per rank
 """
@@ -23,12 +24,15 @@ import numpy as np
 import torch
 
 from ..errors import CollectiveFailed
+from . import futex
 
 HEADER_WORDS = 8
-# Spinning is the fastest wait while every rank has a core; past this many polls the waiter yields its
-# core so that more ranks than cores still progress, and checks the clock and its peers.
-_SPINS_BEFORE_YIELD = 200
-_POLLS_BETWEEN_CHECKS = 2000
+# Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its core
+# between polls (the peer it waits for may be queued for it), and after _YIELD_S of that it sleeps on the
+# late peer's bell (a futex) so that a long wait costs no CPU, waking to check the clock and its peers.
+_SPINS_BEFORE_YIELD = 100
+_YIELD_S = 0.002
+_SLEEP_S = 0.05
 # A rank publishes "my data is written" by a plain store to its arrival counter; its peers rely on
 # stores becoming visible in program order, which x86-64 guarantees (total store order).
 SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")
@@ -50,14 +54,16 @@ class Segment:
     def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta, slot_bytes: int):
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.timeout_s = timeout.total_seconds()
-        words = 2 * world_size + 2 * world_size * HEADER_WORDS
+        words = 3 * world_size + 2 * world_size * HEADER_WORDS
         self._data_offset = (words * 8 + 4095) // 4096 * 4096
         size = self._data_offset + 2 * world_size * slot_bytes
-        self._map = _map_through_store(store, rank, world_size, size)
+        self.path, self._map = _map_through_store(store, rank, world_size, size)  # the path: already unlinked
         ints = np.frombuffer(self._map, dtype=np.int64, count=words)
         self._pids = ints[:world_size]
         self._arrivals = ints[world_size : 2 * world_size]
-        self.headers = ints[2 * world_size :].reshape(2, world_size, HEADER_WORDS)
+        self._bells = ints[2 * world_size : 3 * world_size].view(np.int32)[::2]  # the low half of each word
+        self._bell_address = ints.ctypes.data + 16 * world_size
+        self.headers = ints[3 * world_size :].reshape(2, world_size, HEADER_WORDS)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=self._data_offset,
                                        count=2 * world_size * slot_bytes).view(2, world_size, slot_bytes)
         self._pids[rank] = os.getpid()
@@ -78,14 +84,23 @@ class Segment:
         self._generation += 1
         arrivals, generation = self._arrivals, self._generation
         arrivals[self.rank] = generation
+        self._bells[self.rank] = generation % 2**31  # after the arrival: a peer reading it sees both
+        futex.wake(self._bell_address + 8 * self.rank)
         polls, deadline = 0, None
         while arrivals.min() < generation:
             polls += 1
             if polls < _SPINS_BEFORE_YIELD:
                 continue
-            os.sched_yield()
-            if polls % _POLLS_BETWEEN_CHECKS == 0:
-                deadline = deadline or time.monotonic() + self.timeout_s
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now < deadline - self.timeout_s + _YIELD_S:
+                os.sched_yield()
+                continue
+            late = int(arrivals.argmin())
+            bell = int(self._bells[late])
+            if arrivals[late] < generation:  # read after its bell: it rang since, or the sleep returns at once
+                futex.wait(self._bell_address + 8 * late, bell, _SLEEP_S)
+            if polls % 8 == 0:
                 self._check_peers(generation, what, deadline)
 
     def _check_peers(self, generation: int, what: str, deadline: float) -> None:
@@ -100,25 +115,26 @@ class Segment:
                               "set with init_process_group(timeout=...))")
 
     def close(self) -> None:
-        self._pids = self._arrivals = self.headers = self._bytes = None
+        self._pids = self._arrivals = self._bells = self.headers = self._bytes = None
         try:
             self._map.close()
         except BufferError:  # a tensor a caller still holds views it: the mapping goes with it
             pass
 
 
-def _map_through_store(store, rank: int, world_size: int, size: int) -> mmap.mmap:
+def _map_through_store(store, rank: int, world_size: int, size: int) -> tuple[str, mmap.mmap]:
     """Rank 0 creates the file, all map it, rank 0 unlinks it once every rank has it mapped (the
     last rank to map it says so in the store; rank 0 waits for that within the store's timeout)."""
     path = None
     try:
         if rank == 0:
-            path = f"/dev/shm/sn-{secrets.token_hex(12)}"
+            path = name = f"/dev/shm/sn-{secrets.token_hex(12)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, size)
             store.set("sn/segment", path)
         else:
-            fd = os.open(store.get("sn/segment").decode(), os.O_RDWR)
+            name = store.get("sn/segment").decode()
+            fd = os.open(name, os.O_RDWR)
         try:
             mapped = mmap.mmap(fd, size)
         finally:
@@ -127,7 +143,7 @@ def _map_through_store(store, rank: int, world_size: int, size: int) -> mmap.mma
             store.set("sn/all-mapped", "1")
         if rank == 0:
             store.wait(["sn/all-mapped"])
-        return mapped
+        return name, mapped
     finally:
         if path is not None:
             os.unlink(path)

@@ -1,0 +1,143 @@
+"""All-reduce latency and bandwidth, the "sn" backend against gloo, side by side in one run.
+
+    python scripts/allreduce_bench.py [--procs 2] [--out results/<host>/allreduce.md]
+
+The same processes time both: the default group is "sn", a second group over the same ranks is gloo,
+and each size is timed on one then the other, so that both see the same machine at the same moment.
+Each rank runs torch with cores / procs intra-op threads. The report names the CPU, the cores, torch's
+version, and how much CPU time other processes took while it ran (a busy machine is said to be one).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20]
+SECONDS_PER_CASE = 0.6
+
+
+def _slowest(seconds: float, group) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item()
+
+
+def time_all_reduce(tensor: torch.Tensor, group) -> tuple[float, float]:
+    """Median and fastest seconds of one float32 SUM all-reduce, each timed between barriers on the same
+    group (every rank runs the same count of them; the slowest rank's figures: a collective is done when
+    every rank has its result). On a shared machine the fastest is what it does when the others leave
+    it the cores."""
+    start = time.perf_counter()
+    for _ in range(2):
+        dist.all_reduce(tensor, group=group)
+    first = _slowest((time.perf_counter() - start) / 2, group)
+    samples = []
+    for _ in range(max(5, min(200, int(SECONDS_PER_CASE / first)))):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        samples.append(time.perf_counter() - start)
+    return _slowest(statistics.median(samples), group), _slowest(min(samples), group)
+
+
+def bench_rank(rank: int, procs: int, store: str, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import sn_trainer.distributed  # noqa: F401  (registers "sn")
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // procs))
+    dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=procs,
+                            timeout=datetime.timedelta(seconds=300))
+    gloo = dist.new_group(backend="gloo")
+    rows = []
+    for size in SIZES:
+        tensor = torch.ones(size // 4)
+        rows.append((size, time_all_reduce(tensor, None), time_all_reduce(tensor, gloo)))
+    if rank == 0:
+        torch.save(rows, out)
+    dist.destroy_process_group()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def busy_seconds() -> float:
+    """CPU seconds all processes of the machine have spent so far (user + system, from /proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    return (fields[0] + fields[1] + fields[2]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    """CPU seconds this process and its finished children have spent."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def report(rows, procs: int, seconds: float, others: float) -> str:
+    lines = [f"# All-reduce: \"sn\" against gloo, {procs} processes, float32 SUM", "",
+             f"- CPU: {cpu_model()}; {len(os.sched_getaffinity(0))} cores usable ({os.cpu_count()} online)",
+             f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}",
+             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); median of timed "
+             "all-reduces between barriers, the slowest rank's",
+             f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
+             f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
+             f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
+             "with `python scripts/allreduce_bench.py" + (f" --procs {procs}" if procs != 2 else "") + "`", "",
+             "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up "
+             "| sn fastest | gloo fastest | speed-up, fastest |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, (sn, sn_min), (gloo, gloo_min) in rows:
+        lines.append(f"| {_size(size)} | {_seconds(sn)} | {size / sn / 1e9:.2f} GB/s | {_seconds(gloo)} | "
+                     f"{size / gloo / 1e9:.2f} GB/s | {gloo / sn:.1f}x | {_seconds(sn_min)} | {_seconds(gloo_min)} "
+                     f"| {gloo_min / sn_min:.1f}x |")
+    lines += ["", "Bandwidth is the tensor's bytes over the median all-reduce's time (what each rank gets per "
+              "second); the speed-up is gloo's time over sn's."]
+    return "\n".join(lines) + "\n"
+
+
+def _size(size: int) -> str:
+    return f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", type=int, default=2, help="processes (ranks) on this machine")
+    parser.add_argument("--out", default="results/amd-epyc-avx2-2c/allreduce.md", help="the markdown report")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        store, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
+        started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
+        mp.spawn(bench_rank, args=(args.procs, store, rows_file), nprocs=args.procs)
+        seconds = time.monotonic() - started
+        others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
+        text = report(torch.load(rows_file), args.procs, seconds, others)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The "sn" torch.distributed backend: every collective against the exact result, bitwise equal on every
+rank; DDP over it against DDP over gloo and a plain float64 loop; a dead, a late and a mismatched rank.
+
+One spawned group runs many checks (process start-ups are what costs); each rank writes what it got to
+a file, and the test computes the exact results itself from the same seeded inputs.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.timeout(180)
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+# Elements per check: not a multiple of 2 or 3, and over the tiny slots below, so that chunks and uneven
+# splits of a chunk between the ranks are exercised.
+NUMEL = 157
+SMALL_SLOT_BYTES = 96
+
+
+def inputs(rank: int, dtype: torch.dtype, numel: int = NUMEL, salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input: small values, so that integer products do not overflow."""
+    g = torch.Generator().manual_seed(1000 * salt + 10 * rank + DTYPES.index(dtype))
+    if dtype.is_floating_point:
+        return (torch.rand(numel, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    return torch.randint(1, 4, (numel,), generator=g).to(dtype)
+
+
+def exact(op: str, values: list[torch.Tensor]) -> torch.Tensor:
+    """The combination in float64, from the inputs themselves."""
+    wide = torch.stack([v.double() for v in values])
+    return {"SUM": wide.sum(0), "AVG": wide.mean(0), "PRODUCT": wide.prod(0),
+            "MIN": wide.min(0).values, "MAX": wide.max(0).values}[op]
+
+
+def init(rank: int, world: int, store_path: str, timeout_s: float = 30.0) -> None:
+    import sn_trainer.distributed  # noqa: F401  (registers "sn")
+    from sn_trainer.distributed import group
+
+    group.SLOT_BYTES = SMALL_SLOT_BYTES
+    dist.init_process_group("sn", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def run_ranks(target, world: int, tmp_path, timeout_s: float = 120.0, extra=()) -> list[int | None]:
+    """Run ``target(rank, world, store_path, out_dir, *extra)`` in ``world`` spawned processes; their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    processes = [context.Process(target=_guarded, args=(target, rank, world, store, str(tmp_path), *extra))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [process.exitcode for process in processes]
+
+
+def _guarded(target, rank, world, store, out_dir, *extra):
+    try:
+        target(rank, world, store, out_dir, *extra)
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as file:
+            file.write(traceback.format_exc())
+        raise
+
+
+def results(tmp_path, world: int) -> list[dict]:
+    errors = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
+    assert errors == []
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+# --- every collective, op and dtype, and DDP ---------------------------------------------------
+
+def all_collectives(rank: int, world: int, store: str, out_dir: str) -> None:
+    init(rank, world, store)
+    got: dict = {"segment": dist.group.WORLD._segment.path}
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "AVG" and not dtype.is_floating_point:
+                continue
+            tensor = inputs(rank, dtype)
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+            got[("all_reduce", dtype, op)] = tensor
+        tensor = inputs(rank, dtype)
+        dist.broadcast(tensor, src=world - 1)
+        got[("broadcast", dtype)] = tensor
+        parts = [torch.empty(NUMEL, dtype=dtype) for _ in range(world)]
+        dist.all_gather(parts, inputs(rank, dtype))
+        got[("all_gather", dtype)] = torch.stack(parts)
+        into = torch.empty(world * NUMEL, dtype=dtype)
+        dist.all_gather_into_tensor(into, inputs(rank, dtype))
+        got[("all_gather_into_tensor", dtype)] = into
+        for op in ("SUM", "MAX"):
+            scattered = torch.empty(NUMEL, dtype=dtype)
+            dist.reduce_scatter_tensor(scattered, inputs(rank, dtype, NUMEL * world), op=getattr(dist.ReduceOp, op))
+            got[("reduce_scatter", dtype, op)] = scattered
+    got.update(odd_shapes(rank))
+    dist.barrier()
+    got["ddp sn"], got["ddp gloo"] = ddp_steps(rank, None), ddp_steps(rank, dist.new_group(backend="gloo"))
+    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def odd_shapes(rank: int) -> dict:
+    """A transposed (non-contiguous) tensor, an empty one, coalesced tensors, and send/recv (gloo's)."""
+    got = {}
+    transposed = inputs(rank, torch.float64, 12).view(3, 4).t()
+    dist.all_reduce(transposed)
+    got["transposed"] = transposed
+    empty = torch.empty(0)
+    dist.all_reduce(empty)
+    got["empty"] = empty
+    pair = [inputs(rank, torch.float64, 5, salt=1), inputs(rank, torch.float64, 7, salt=2)]
+    dist.group.WORLD.allreduce_coalesced(pair, dist.AllreduceCoalescedOptions()).wait()
+    got["coalesced"] = pair
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("sn_trainer").addHandler(handler)
+    logging.getLogger("sn_trainer").setLevel(logging.INFO)
+    message = torch.arange(3.0) if rank == 0 else torch.zeros(3)
+    for _ in range(2):
+        if rank == 0:
+            dist.send(message, dst=1)
+        elif rank == 1:
+            dist.recv(message, src=0)
+    got["recv"], got["gloo notes"] = message, [r.getMessage() for r in records]
+    return got
+
+
+def ddp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def ddp_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
+
+
+def ddp_steps(rank: int, process_group, steps: int = 4) -> list[torch.Tensor]:
+    model = ddp_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group, bucket_cap_mb=0.0001)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = ddp_batch(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def plain_steps(world: int, steps: int = 4) -> list[torch.Tensor]:
+    """The same training as one process over the whole global batch."""
+    model = ddp_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        batches = [ddp_batch(rank, step) for rank in range(world)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                      b.contiguous().view(torch.uint8))
+
+
+def assert_exact(got: torch.Tensor, expected: torch.Tensor, what) -> None:
+    """Integers exactly; floats to the dtype's rounding of the exact float64 result."""
+    if not got.dtype.is_floating_point:
+        assert torch.equal(got.double(), expected), what
+        return
+    tolerance = {torch.float64: 1e-13, torch.float32: 4e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[got.dtype]
+    assert torch.allclose(got.double(), expected, rtol=tolerance, atol=0), what
+
+
+def check_reductions(ranks: list[dict], world: int) -> None:
+    for dtype in DTYPES:
+        for op in OPS:
+            if ("all_reduce", dtype, op) in ranks[0]:
+                key = ("all_reduce", dtype, op)
+                assert_exact(ranks[0][key], exact(op, [inputs(r, dtype) for r in range(world)]), key)
+        for op in ("SUM", "MAX"):
+            key = ("reduce_scatter", dtype, op)
+            whole = exact(op, [inputs(r, dtype, NUMEL * world) for r in range(world)])
+            for rank in range(world):
+                assert_exact(ranks[rank][key], whole[rank * NUMEL : (rank + 1) * NUMEL], (key, rank))
+
+
+def check_movements(ranks: list[dict], world: int) -> None:
+    for dtype in DTYPES:
+        mine = [inputs(r, dtype) for r in range(world)]
+        for rank in range(world):
+            assert bitwise(ranks[rank][("broadcast", dtype)], mine[world - 1])
+            assert bitwise(ranks[rank][("all_gather", dtype)], torch.stack(mine))
+            assert bitwise(ranks[rank][("all_gather_into_tensor", dtype)], torch.cat(mine))
+
+
+def check_odd_shapes(ranks: list[dict], world: int) -> None:
+    transposed = sum(inputs(r, torch.float64, 12) for r in range(world)).view(3, 4).t()
+    assert torch.allclose(ranks[0]["transposed"], transposed, rtol=1e-13, atol=0)
+    assert ranks[0]["empty"].numel() == 0
+    for index, (numel, salt) in enumerate([(5, 1), (7, 2)]):
+        expected = exact("SUM", [inputs(r, torch.float64, numel, salt) for r in range(world)])
+        assert torch.allclose(ranks[0]["coalesced"][index], expected, rtol=1e-13, atol=0)
+    assert torch.equal(ranks[1]["recv"], torch.arange(3.0))
+    assert [n for n in ranks[0]["gloo notes"] if "send" in n] == [
+        "sn backend: send is not implemented in shared memory; gloo on the same store runs it"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(world, tmp_path):
+    codes = run_ranks(all_collectives, world, tmp_path)
+    ranks = results(tmp_path, world)
+    assert codes == [0] * world
+    for key, value in ranks[0].items():
+        for other in ranks[1:]:
+            if isinstance(value, torch.Tensor) and key[0] != "reduce_scatter" and key != "recv":  # each rank its own
+                assert bitwise(other[key], value), key
+    check_reductions(ranks, world)
+    check_movements(ranks, world)
+    check_odd_shapes(ranks, world)
+    plain = plain_steps(world)
+    for rank in range(world):
+        for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
+            assert (sn - gloo).abs().max().item() < 1e-12
+            assert (sn - reference).abs().max().item() < 1e-12
+    assert not os.path.exists(ranks[0]["segment"])  # unlinked as soon as every rank had mapped it
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+def faults(rank: int, world: int, store: str, out_dir: str, released) -> None:
+    """Tensors and collectives that differ between the ranks; then the last rank exits abruptly partway
+    through one of a stream of all-reduces; then, in a group of the two others, rank 1 never comes."""
+    init(rank, world, store, timeout_s=60.0)
+    outcome = {"segment": dist.group.WORLD._segment.path, "refused": []}
+    calls = [lambda: dist.all_reduce(torch.ones(10 + rank)),
+             lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64)),
+             lambda: dist.all_reduce(torch.ones(10)) if rank else dist.broadcast(torch.ones(10), src=0),
+             lambda: dist.all_gather_into_tensor(torch.empty(world * (5 + rank)), torch.ones(5 + rank))]
+    for call in calls:
+        try:
+            call()
+        except Exception as error:
+            outcome["refused"].append(f"{type(error).__name__}: {error}")
+    tensor = torch.arange(6.0)
+    dist.all_reduce(tensor)  # still in step after the refused collectives
+    outcome["after"] = tensor.tolist()
+    pair = dist.new_group([0, 1], backend="sn", timeout=datetime.timedelta(seconds=3))
+    outcome["died"] = died(rank, world)
+    if rank == 1:
+        released.wait(60)
+    else:
+        try:
+            dist.all_reduce(torch.ones(3), group=pair)
+        except Exception as error:
+            outcome["late"] = f"{type(error).__name__}: {error}"
+        released.set()
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def died(rank: int, world: int) -> tuple[str, float]:
+    """All-reduce over and over until a peer is gone (the last rank exits after a moment)."""
+    tensor = torch.ones(4000)
+    if rank == world - 1:
+        threading.Timer(0.3, os._exit, args=(3,)).start()
+    started = time.monotonic()
+    try:
+        while True:
+            dist.all_reduce(tensor)
+            tensor.fill_(1.0)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}", time.monotonic() - started
+
+
+def test_a_dead_a_late_and_a_mismatched_rank_are_each_a_clear_error_naming_the_rank(tmp_path):
+    world = 3
+    released = multiprocessing.get_context("spawn").Event()
+    codes = run_ranks(faults, world, tmp_path, extra=(released,))
+    assert codes == [0, 0, 3]
+    assert [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))] == []
+    outcomes = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world - 1)]
+    for outcome in outcomes:
+        refused = outcome["refused"]
+        assert len(refused) == 4 and all(r.startswith("CollectiveFailed: sn backend: the ranks called") for r in refused)
+        assert "float32[10]" in refused[0] and "float32[11]" in refused[0] and "float32[12]" in refused[0]
+        assert "float64[10]" in refused[1] and "float32[10]" in refused[1]
+        assert "broadcast" in refused[2] and "all_reduce" in refused[2]
+        assert "all_gather" in refused[3] and "[6]" in refused[3]
+        assert outcome["after"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+        message, seconds = outcome["died"]
+        assert message.startswith(f"CollectiveFailed: sn backend: rank {world - 1} (pid ") and "died" in message
+        assert seconds < 30.0  # well inside the group's 60 s timeout: the death is seen, not waited out
+        assert not os.path.exists(outcome["segment"])  # unlinked as soon as every rank had mapped it
+    assert outcomes[0]["late"].startswith("CollectiveFailed: sn backend: rank 0 waited 3 s for rank(s) 1")
+
+
+def test_a_group_across_machines_is_refused_in_one_line():
+    from sn_trainer.distributed.group import _refuse_other_nodes
+    from sn_trainer.errors import CollectiveFailed
+
+    store = dist.HashStore()
+    store.set("sn/node/1", "another-host/boot")
+    with pytest.raises(CollectiveFailed, match="one machine, this group spans 2; across machines use backend='gloo'"):
+        _refuse_other_nodes(store, 0, 2)
