@@ -70,18 +70,22 @@ def plan_for(args: Namespace) -> LaunchPlan:
 
 
 def hand_to_child(args: Namespace) -> None:
-    """Make torchrun start sn_trainer.launch.child in each rank, the user's program after it."""
+    """Make torchrun start sn_trainer.launch.child in each rank, the user's program after it.
+
+    The user's program comes first after the child (``-m`` joined to the child's name): torchrun
+    names the first argument that is no flag in its failure report, and that stays the user's.
+    """
     if args.run_path:
         mode = "run_path"
     elif args.no_python:
         mode, args.no_python = "exec", False
     else:
         mode = "module" if args.module else "script"
-    args.training_script_args = [mode, args.training_script, *args.training_script_args]
+    args.training_script_args = [args.training_script, mode, *args.training_script_args]
     if args.run_path:  # torchrun runs a file with runpy in the rank's own process
         args.training_script = str(Path(child.__file__))
     else:
-        args.module, args.training_script = True, child.__name__
+        args.module, args.training_script = False, f"-m{child.__name__}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,8 +13,6 @@ import sys
 # What the launcher decided once, handed to every rank through the environment (plan.py writes them).
 CPUS_VARIABLE = "SN_LAUNCH_CPUS"  # each local rank's logical CPUs: "0,1;2,3" (absent: not pinned)
 THREADS_VARIABLE = "SN_LAUNCH_THREADS"
-# How the user's program is run: the ways torchrun runs one.
-MODES = ("script", "module", "run_path", "exec")
 
 
 def planned_cpus(environment: dict[str, str], local_rank: int) -> list[int] | None:
@@ -38,7 +36,7 @@ def settle(environment: dict[str, str]) -> int:
 
 
 def main(argv: list[str]) -> None:
-    mode, target, *arguments = argv
+    target, mode, *arguments = argv
     threads = settle(os.environ)
     if mode == "exec":  # --no-python: the program inherits the affinity and the thread variables
         os.execvp(target, [target, *arguments])

@@ -19,6 +19,7 @@ class LaunchPlan:
     cpus: tuple[tuple[int, ...], ...] | None
     runtime: Runtime
     unpinned_because: str | None = None  # why ranks are not pinned, when pinning was asked for
+    auto_because: str | None = None  # what --nproc-per-node=auto became, and from what
 
     def environment(self, preloaded: str | None) -> dict[str, str]:
         """The variables every rank starts with (``preloaded``: LD_PRELOAD as it is now)."""
@@ -33,7 +34,8 @@ class LaunchPlan:
 
     def lines(self) -> list[str]:
         """One line per local rank: its cores and threads; a warning first when ranks share cores."""
-        lines = [f"sn_trainer.launch: warning: {self.unpinned_because}"] if self.unpinned_because else []
+        lines = [f"sn_trainer.launch: {self.auto_because}"] if self.auto_because else []
+        lines += [f"sn_trainer.launch: warning: {self.unpinned_because}"] if self.unpinned_because else []
         thread_word = "thread" if self.threads == 1 else "threads"
         for rank in range(self.nproc):
             where = "not pinned" if self.cpus is None else f"cpus {','.join(map(str, self.cpus[rank]))}"
@@ -92,11 +94,13 @@ def resolve(nproc: str, threads: int | None, pin: bool, runtime: Runtime, topolo
     per_rank = resolve_threads(threads, nproc, topology, environment)
     count = auto_workers(topology, per_rank) if nproc == "auto" else local_world_size(nproc)
     runtime.libraries()  # installed, or say how to install them
+    auto = (f"--nproc-per-node=auto: {count} processes ({topology.usable_cores} usable physical cores / {per_rank} "
+            f"intra-op threads each)") if nproc == "auto" else None
     if not pin:
-        return LaunchPlan(count, per_rank, None, runtime)
+        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto)
     if count * per_rank > topology.physical_cores:  # pinned onto shared cores they would only pile up
-        return LaunchPlan(count, per_rank, None, runtime,
+        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto, unpinned_because=
                           f"{count} processes x {per_rank} threads need {count * per_rank} physical cores and "
                           f"{topology.physical_cores} are here: the processes are not pinned and share them; use "
                           "fewer processes or threads (--nproc-per-node=auto fits them)")
-    return LaunchPlan(count, per_rank, tuple(plan_pinning(topology, count, per_rank)), runtime)
+    return LaunchPlan(count, per_rank, tuple(plan_pinning(topology, count, per_rank)), runtime, auto_because=auto)
