@@ -197,6 +197,35 @@ def test_nodes_meet_on_a_fresh_token_past_one_a_dead_node_0_left():
     assert again.meeting != met[0].meeting  # and none of another's
 
 
+def test_nodes_with_another_compression_are_refused_naming_it():
+    from sn_trainer.errors import ConfigError
+    from sn_trainer.fit.agreement import AGREED_SETTINGS, agree_with_other_nodes, node_facts
+
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    settings = [{name: 0 for name in AGREED_SETTINGS}, {name: 0 for name in AGREED_SETTINGS}]
+    settings[0].update(compress="none", compress_rank=2)
+    settings[1].update(compress="powersgd", compress_rank=2)
+    errors = {}
+
+    def agree(rank):
+        cluster = Cluster(node_rank=rank, nodes=2, master_addr="127.0.0.1", master_port=port, run_id=run_id)
+        facts = node_facts(SmallConvNet(), 1, 5, {"batch_size": BATCH}, settings[rank], None)
+        try:
+            agree_with_other_nodes(cluster, facts)
+        except ConfigError as error:
+            errors[rank] = str(error)
+
+    other = threading.Thread(target=agree, args=(1,))
+    other.start()
+    agree(0)
+    other.join(timeout=60)
+    assert set(errors) == {0, 1}, errors
+    assert "in compress: 'powersgd' there, 'none' here" in errors[0], errors
+    del server
+
+
 def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path):
     """scripts/slurm_torchrun.sbatch with SN_MIN_NODES, under Slurm's variables and a stand-in
     srun that notes its arguments and the store setting torchrun's agents get."""

@@ -1,7 +1,8 @@
 """A torch.distributed backend named "sn": collectives among the processes of one node through shared memory.
 
 ``import sn_trainer.distributed`` registers it; then ``torch.distributed.init_process_group("sn")``
-(or ``DDPStrategy(process_group_backend="sn")``, ``InitProcessGroupKwargs(backend="sn")``) uses it.
+(or Lightning's ``DDPStrategy(process_group_backend="sn")``) uses it. Accelerate and transformers
+refuse the name on CPUs: there, a group made first with ``init_process_group("sn")`` is the one they use.
 """
 from __future__ import annotations
 

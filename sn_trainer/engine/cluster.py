@@ -79,9 +79,9 @@ class Cluster:
         torchrun keeps its store across rounds while node 0's agent lives, and a membership change
         restarts the nodes without counting a restart (a node that joins starts at 0): neither the
         restart count nor a fixed key tells this round's keys from an earlier round's. Node 0 posts
-        a fresh token, each other node acknowledges the one it read, and node 0 answers each
-        acknowledgement; a token left by a node 0 that died mid-meeting gets no answer, so the
-        others read again until this round's comes. Where torchrun's agent hosts no store, node 0
+        a fresh token, each other node acknowledges the one it read with a nonce of its own, and
+        node 0 answers each acknowledgement; a token left by an earlier round or by a node 0 that
+        died mid-meeting gets no answer, so the others read again until this round's comes. Where torchrun's agent hosts no store, node 0
         hosts it here.
 
         Raises:
@@ -103,18 +103,20 @@ class Cluster:
         token = uuid.uuid4().hex
         store.set("token", token)
         for node in range(1, self.nodes):
-            store.get(f"ack/{token}/{node}")  # waits for that node
-            store.set(f"answer/{token}/{node}", "1")
-        store.delete_key("token")  # met: nothing later reads this round's token
+            nonce = store.get(f"ack/{token}/{node}").decode()  # waits for that node
+            store.set(f"answer/{token}/{node}/{nonce}", "1")
         return token
 
     def _acknowledge(self, store: dist.Store, timeout_s: float, retry_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
+        # The nonce, this call's own, tells this meeting's answer from one a node of this rank got
+        # in an earlier round for the same token (the token stays: a node that timed out waiting
+        # for its answer reads it again and finds the answer given meanwhile).
+        nonce, deadline = uuid.uuid4().hex, time.monotonic() + timeout_s
         while True:
             token = store.get("token").decode()
-            store.set(f"ack/{token}/{self.node_rank}", "1")
+            store.set(f"ack/{token}/{self.node_rank}", nonce)
             try:
-                store.wait([f"answer/{token}/{self.node_rank}"], datetime.timedelta(seconds=retry_s))
+                store.wait([f"answer/{token}/{self.node_rank}/{nonce}"], datetime.timedelta(seconds=retry_s))
                 return token
             except RuntimeError:
                 if time.monotonic() > deadline:
