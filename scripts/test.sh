@@ -9,7 +9,7 @@ bash scripts/setup.sh
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
     tests/test_loop.py tests/test_collate.py tests/test_streams.py tests/test_hf_datasets.py tests/test_prefetch.py
     tests/test_seams.py tests/test_run_owns.py tests/test_gather.py tests/test_self_shuffling.py tests/test_order.py
-    tests/test_word_lm.py tests/test_loss_probe.py"
+    tests/test_word_lm.py tests/test_loss_probe.py tests/test_lightning_module.py tests/test_sn_backend.py"
 for kernels in default avx2; do
     echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels"
     ATEN_CPU_CAPABILITY=$kernels .venv/bin/python -m pytest -q $EQUIVALENCE "$@"

@@ -81,6 +81,15 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def end_all(nodes, readers) -> None:
+    """Kill what a failed test left running, then take in every node's output."""
+    for node in nodes:
+        if node.poll() is None:
+            kill_tree(node.pid)
+    for reader in readers:
+        reader.join(timeout=30)
+
+
 def by_hand(membership, total_steps, tmp_path):
     """The same run resumed by hand on one node: at each membership change, a torchrun-free fit with
     the workers the nodes had in all, resumed from the previous fit's checkpoint, up to the next change."""
@@ -116,11 +125,7 @@ def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
         for node in nodes:
             node.wait(timeout=240)
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                kill_tree(node.pid)
-    for reader in readers:
-        reader.join(timeout=30)
+        end_all(nodes, readers)
     for index, out in enumerate(outputs):
         (tmp_path / f"node{index}.log").write_text(out)
     survivors = [node.returncode for node in nodes if node.pid != victim["agent"]]
@@ -306,11 +311,7 @@ def test_a_link_taken_down_mid_step_ends_it_within_worker_timeout_and_the_restar
         for node in nodes:
             node.wait(timeout=240)
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                kill_tree(node.pid)
-    for reader in readers:
-        reader.join(timeout=30)
+        end_all(nodes, readers)
     (tmp_path / "nodes.log").write_text("\n".join(outputs))
     everything = "".join(outputs)
     assert [node.returncode for node in nodes] == [0, 0], everything[-4000:]
