@@ -331,11 +331,47 @@ def test_a_dead_a_late_and_a_mismatched_rank_are_each_a_clear_error_naming_the_r
     assert outcomes[0]["late"].startswith("CollectiveFailed: sn backend: rank 0 waited 3 s for rank(s) 1")
 
 
-def test_a_group_across_machines_is_refused_in_one_line():
-    from sn_trainer.distributed.group import _refuse_other_nodes
-    from sn_trainer.errors import CollectiveFailed
+def on_another_machine(host: str) -> None:
+    """This process in a UTS namespace of its own, under another host name: another machine to the
+    backend (the boot id stays; the host name differs)."""
+    import ctypes
+    import socket
 
-    store = dist.HashStore()
-    store.set("sn/node/1", "another-host/boot")
-    with pytest.raises(CollectiveFailed, match="one machine, this group spans 2; across machines use backend='gloo'"):
-        _refuse_other_nodes(store, 0, 2)
+    if ctypes.CDLL(None, use_errno=True).unshare(0x04000000) != 0:  # CLONE_NEWUTS (root)
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+    socket.sethostname(host)
+
+
+def across_machines(rank: int, world: int, store: str, out_dir: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the host names given here resolve nowhere
+    if rank >= world // 2:
+        on_another_machine("sn-test-machine-b")
+    import sn_trainer.distributed  # noqa: F401  (registers "sn")
+
+    dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    got = checks(rank, world, None, dist.new_group(backend="gloo"))
+    got["machines"] = len(dist.group.WORLD._collectives.members)
+    torch.save({world: got}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_group_across_two_machines_sums_in_each_then_between_them_exactly(tmp_path):
+    """Ranks 0, 1 on this machine, 2, 3 on "another" (a UTS namespace): every collective as on one."""
+    codes = run_ranks(across_machines, 4, tmp_path, timeout_s=170)
+    assert codes == [0, 0, 0, 0]
+    saved = results(tmp_path, 4)
+    ranks = [saved[rank][4] for rank in range(4)]
+    assert [r["machines"] for r in ranks] == [2, 2, 2, 2]
+    for key, value in ranks[0].items():
+        for other in ranks[1:]:
+            if isinstance(value, torch.Tensor) and key[0] != "reduce_scatter" and key != "recv":
+                assert bitwise(other[key], value), key
+    check_reductions(ranks, 4)
+    check_movements(ranks, 4)
+    check_odd_shapes(ranks, 4)
+    plain = plain_steps(4)
+    for rank in range(4):
+        for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
+            torch.testing.assert_close(sn, gloo, rtol=0, atol=1e-12)
+            torch.testing.assert_close(sn, reference, rtol=0, atol=1e-12)

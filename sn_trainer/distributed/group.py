@@ -1,4 +1,5 @@
-"""The "sn" process group: torch.distributed's collectives among the processes of one node, in shared memory.
+"""The "sn" process group: torch.distributed's collectives among the processes of one node, in shared memory
+(and, for a group across machines, in each machine's shared memory, then over gloo between them).
 
 What it does not implement (point-to-point, scatter, gather, all-to-all, ...) goes to a gloo group made
 on the same store when the group is made, said once per operation in the log.
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveFailed
 from .collectives import Collectives, reduce_op_name
+from .machines import AcrossMachines
 from .segment import SHM_SAFE, Segment
 
 log = logging.getLogger("sn_trainer")
@@ -65,13 +67,10 @@ def _node_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
-def _refuse_other_nodes(store, rank: int, size: int) -> None:
-    """Raise unless every rank of the group runs on this machine."""
+def machines_of(store, rank: int, size: int) -> list[str]:
+    """The machine each rank of the group runs on, in rank order."""
     store.set(f"sn/node/{rank}", _node_identity())
-    nodes = sorted({store.get(f"sn/node/{r}").decode() for r in range(size)})
-    if len(nodes) > 1:
-        raise CollectiveFailed(f"the 'sn' backend joins the processes of one machine, this group spans "
-                               f"{len(nodes)}; across machines use backend='gloo'")
+    return [store.get(f"sn/node/{r}").decode() for r in range(size)]
 
 
 class SnProcessGroup(dist.ProcessGroup):
@@ -81,10 +80,13 @@ class SnProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         if not SHM_SAFE:
             raise CollectiveFailed("the 'sn' backend relies on x86-64's store order; use backend='gloo' here")
-        _refuse_other_nodes(store, rank, size)
         self._rank, self._size = rank, size
-        self._segment = Segment(store, rank, size, timeout, SLOT_BYTES)
-        self._collectives = Collectives(self._segment)
+        machines = machines_of(store, rank, size)
+        if len(set(machines)) == 1:
+            self._collectives = Collectives(Segment(store, rank, size, timeout, SLOT_BYTES))
+        else:  # in each machine's shared memory, then between the machines over gloo
+            self._collectives = AcrossMachines(store, rank, size, timeout, machines, SLOT_BYTES)
+        self._segment = self._collectives.segment
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("sn/gloo", store), rank, size, timeout)
         self._handed_to_gloo: set[str] = set()
 
@@ -165,6 +167,8 @@ class SnProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._gloo.shutdown()
+        if isinstance(self._collectives, AcrossMachines):
+            self._collectives.close()
         self._segment.close()
 
     def __repr__(self) -> str:
