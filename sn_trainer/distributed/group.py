@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -29,32 +31,118 @@ GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "gather_single", 
                    "allgather_coalesced", "monitored_barrier")
 
 
-class DoneWork(dist.Work):
-    """A collective that has already completed when it is returned; its future holds its tensors."""
+class PendingWork(dist.Work):
+    """A collective queued on the group's channel: done when the channel has run it; its future then
+    holds its tensors (what DDP's buckets and communication hooks chain on)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         super().__init__()
         self._tensors = tensors
         self._future = torch.futures.Future()
-        self._future.set_result(tensors)
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def complete_future(self) -> None:
+        if self._error is None:
+            self._future.set_result(self._tensors)
+        else:
+            self._future.set_exception(self._error)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._done.wait()  # the channel's own waits are bounded by the group's timeout
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self._done.is_set()
 
     def is_success(self) -> bool:
-        return True
+        return self._done.is_set() and self._error is None
 
     def exception(self):
-        return None
+        return self._error
 
     def result(self) -> list[torch.Tensor]:
+        self.wait()
         return self._tensors
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+
+class _Channel:
+    """One thread per group that runs its collectives one at a time in the order they were called, so
+    that a bucket's all-reduce proceeds while the backward pass computes the next buckets' gradients.
+
+    Futures are completed on other threads (``_Completions``): a callback chained on one may wait
+    for a later collective of this channel (PowerSGD's hook does), which would never run if the
+    callback held the channel's thread.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._completions = _Completions()
+        self._thread = threading.Thread(target=self._run, name="sn-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, run, tensors: list[torch.Tensor]) -> PendingWork:
+        work = PendingWork(tensors)
+        self._queue.put((run, work))
+        return work
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            run, work = job
+            try:
+                run()
+            except BaseException as error:  # handed to whoever waits for this collective
+                work.finish(error)
+            else:
+                work.finish(None)
+            self._completions.put(work)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._completions.close()
+
+
+class _Completions:
+    """Threads that complete works' futures (running the callbacks chained on them): an idle one takes
+    the next, and where none is idle (each blocked in a callback) another is started."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = self._threads = 0
+
+    def put(self, work: PendingWork) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if start:
+                self._threads += 1
+            else:
+                self._idle -= 1  # that idle thread takes it
+        self._queue.put(work)
+        if start:
+            threading.Thread(target=self._serve, name="sn-completions", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (work := self._queue.get()) is not None:
+            work.complete_future()
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)
 
 
 def _node_identity() -> str:
@@ -89,6 +177,7 @@ class SnProcessGroup(dist.ProcessGroup):
         self._segment = self._collectives.segment
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("sn/gloo", store), rank, size, timeout)
         self._handed_to_gloo: set[str] = set()
+        self._channel = _Channel()
 
     def getBackendName(self) -> str:
         return "sn"
@@ -101,63 +190,68 @@ class SnProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        for tensor in tensors:
-            _in_place(tensor, lambda t: self._collectives.all_reduce(t, op))
-        return DoneWork(tensors)
+        return self._channel.submit(lambda: [_in_place(t, lambda t: self._collectives.all_reduce(t, op))
+                                             for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        for tensor in tensors:
-            _in_place(tensor, lambda t: self._collectives.broadcast(t, root))
-        return DoneWork(tensors)
+        return self._channel.submit(lambda: [_in_place(t, lambda t: self._collectives.broadcast(t, root))
+                                             for t in tensors], tensors)
 
     def allgather(self, output_lists, input_tensors, opts=None):
         for outputs, tensor in zip(output_lists, input_tensors):
             _check_gather(outputs, tensor, self._size)
-            gathered = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
-            self._collectives.all_gather(list(gathered), tensor.contiguous())
-            for output, part in zip(outputs, gathered):
-                output.copy_(part)
-        return DoneWork([t for outputs in output_lists for t in outputs])
+
+        def run():
+            for outputs, tensor in zip(output_lists, input_tensors):
+                gathered = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
+                self._collectives.all_gather(list(gathered), tensor.contiguous())
+                for output, part in zip(outputs, gathered):
+                    output.copy_(part)
+        return self._channel.submit(run, [t for outputs in output_lists for t in outputs])
 
     def _allgather_base(self, output, tensor, opts=None):
-        if output.numel() != tensor.numel() * self._size or output.dtype != tensor.dtype:
-            raise CollectiveFailed(f"sn backend: all_gather_into_tensor needs an output of {self._size} x "
-                                   f"{tensor.numel()} {tensor.dtype}, got {output.numel()} {output.dtype}")
-        _in_place(output, lambda out: self._collectives.all_gather(list(out.view(self._size, -1)),
-                                                                   tensor.contiguous()), copy_in=False)
-        return DoneWork([output])
+        return self._channel.submit(self._gather_into(output, tensor), [output])
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
-        op = reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if tensor.numel() != output.numel() * self._size or output.dtype != tensor.dtype:
-            raise CollectiveFailed(f"sn backend: reduce_scatter_tensor needs an input of {self._size} x "
-                                   f"{output.numel()} {output.dtype}, got {tensor.numel()} {tensor.dtype}")
-        _in_place(output, lambda out: self._collectives.reduce_scatter(out, tensor.contiguous(), op), copy_in=False)
-        return DoneWork([output])
+        return self._channel.submit(self._scatter_into(output, tensor, opts), [output])
 
     all_gather_single = _allgather_base  # what torch's all_gather_into_tensor calls
     reduce_scatter_single = _reduce_scatter_base  # and reduce_scatter_tensor
 
     def all_gather_single_coalesced(self, outputs, tensors, opts=None):
-        for output, tensor in zip(outputs, tensors):
-            self._allgather_base(output, tensor, opts)
-        return DoneWork(list(outputs))
+        runs = [self._gather_into(output, tensor) for output, tensor in zip(outputs, tensors)]
+        return self._channel.submit(lambda: [run() for run in runs], list(outputs))
 
     def reduce_scatter_single_coalesced(self, outputs, tensors, opts=None):
-        for output, tensor in zip(outputs, tensors):
-            self._reduce_scatter_base(output, tensor, opts)
-        return DoneWork(list(outputs))
+        runs = [self._scatter_into(output, tensor, opts) for output, tensor in zip(outputs, tensors)]
+        return self._channel.submit(lambda: [run() for run in runs], list(outputs))
+
+    def _gather_into(self, output, tensor):
+        """The all-gather of ``tensor`` into ``output``, to run on the channel (its sizes checked here)."""
+        if output.numel() != tensor.numel() * self._size or output.dtype != tensor.dtype:
+            raise CollectiveFailed(f"sn backend: all_gather_into_tensor needs an output of {self._size} x "
+                                   f"{tensor.numel()} {tensor.dtype}, got {output.numel()} {output.dtype}")
+        return lambda: _in_place(output, lambda out: self._collectives.all_gather(
+            list(out.view(self._size, -1)), tensor.contiguous()), copy_in=False)
+
+    def _scatter_into(self, output, tensor, opts):
+        """The reduce-scatter of ``tensor`` into ``output``, to run on the channel (its sizes checked here)."""
+        op = reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if tensor.numel() != output.numel() * self._size or output.dtype != tensor.dtype:
+            raise CollectiveFailed(f"sn backend: reduce_scatter_tensor needs an input of {self._size} x "
+                                   f"{output.numel()} {output.dtype}, got {tensor.numel()} {tensor.dtype}")
+        return lambda: _in_place(output, lambda out: self._collectives.reduce_scatter(out, tensor.contiguous(), op),
+                                 copy_in=False)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        self._collectives.barrier()
-        return DoneWork([])
+        return self._channel.submit(self._collectives.barrier, [])
 
     def _to_gloo(self, name: str, *args):
         if name not in self._handed_to_gloo:
@@ -166,6 +260,7 @@ class SnProcessGroup(dist.ProcessGroup):
         return getattr(self._gloo, name)(*args)
 
     def shutdown(self) -> None:
+        self._channel.close()
         self._gloo.shutdown()
         if isinstance(self._collectives, AcrossMachines):
             self._collectives.close()
