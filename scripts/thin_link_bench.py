@@ -216,9 +216,9 @@ def markdown(report: dict) -> str:
     lines = ["# Two nodes over a thin link (scripts/thin_link_bench.py)", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, {m['memory_gib']} GiB, torch "
              f"{m['torch']}; both nodes on it, one worker each, in two network namespaces joined by a veth pair, "
-             f"each end shaped with tc: {', '.join(sorted({r['link'] for r in report['speeds']}))}. Other processes were running on this machine while "
-             "it measured (other engineers' tests): the figures are of a busy machine. \"others' CPU\" is node 0's "
-             "other_cpu_percent, in which node 1 counts too (about 50 % while it computes).", "",
+             f"each end shaped with tc: {', '.join(sorted({r['link'] for r in report['speeds']}))}. \"others' CPU\" is node 0's other_cpu_percent: "
+             "the machine's CPU used by processes other than node 0's, node 1's included (up to about 50 % while it "
+             "computes); well above that, other work shared the machine.", "",
              f"compress=powersgd rank {report['rank']}; speed runs ({report.get('speeds_measured', 'in this run')}): "
              f"{report['warmup']} warm-up steps (all but the last sent whole), then {report['steps']} measured "
              "steps, compressed.", "",
