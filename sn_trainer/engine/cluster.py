@@ -81,8 +81,8 @@ class Cluster:
         restart count nor a fixed key tells this round's keys from an earlier round's. Node 0 posts
         a fresh token, each other node acknowledges the one it read with a nonce of its own, and
         node 0 answers each acknowledgement; a token left by an earlier round or by a node 0 that
-        died mid-meeting gets no answer, so the others read again until this round's comes. Where torchrun's agent hosts no store, node 0
-        hosts it here.
+        died mid-meeting gets no answer, so the others read again until this round's comes. Where
+        torchrun's agent hosts no store, node 0 hosts it here.
 
         Raises:
             ClusterError: the nodes did not all meet within ``timeout_s``.

@@ -401,7 +401,7 @@ class CrossNodeReducer:
 
     Every node applies the same update to the same parameters, so the nodes' shared parameters
     stay identical without ever being sent. ``compressor`` (compress=powersgd) sends the shard
-    as low-rank factors instead (engine/compress.py): approximate.
+    as low-rank factors instead (engine/compression.py): approximate.
     """
 
     def __init__(self, local: Reducer, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0,

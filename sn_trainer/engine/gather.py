@@ -21,14 +21,13 @@ calls ``gather`` with nothing but the tensor.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
 from ..errors import InputError
-from . import by_sums
+from . import ambient, by_sums
 
 # Every worker computes the same loss from the same gathered bits; only kernels that round
 # differently at another memory alignment may move it, by far less than this.
@@ -170,14 +169,9 @@ def _describe(row: torch.Tensor) -> str:
 _current: contextvars.ContextVar[Gathering | None] = contextvars.ContextVar("sn_trainer_gathering", default=None)
 
 
-@contextlib.contextmanager
-def gathering(how: Gathering) -> Iterator[Gathering]:
+def gathering(how: Gathering) -> AbstractContextManager[Gathering]:
     """Make ``how`` what ``gather`` calls do while the block runs (a step's micro-batch, an evaluation)."""
-    token = _current.set(how)
-    try:
-        yield how
-    finally:
-        _current.reset(token)
+    return ambient.within(_current, how)
 
 
 def current() -> Gathering:

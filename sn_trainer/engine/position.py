@@ -8,10 +8,11 @@ rehearsal, the loss probe, a plain loop).
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+
+from . import ambient
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,9 @@ def in_training(step: int, micro: int, steps_per_epoch: int, accumulate: int) ->
 _current: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sn_trainer_position", default=None)
 
 
-@contextlib.contextmanager
-def at(position: Position) -> Iterator[Position]:
+def at(position: Position) -> AbstractContextManager[Position]:
     """Make ``position`` what ``current`` returns while the block runs."""
-    token = _current.set(position)
-    try:
-        yield position
-    finally:
-        _current.reset(token)
+    return ambient.within(_current, position)
 
 
 def in_evaluation(chunk: int) -> Position:
