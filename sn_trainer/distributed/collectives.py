@@ -105,6 +105,16 @@ class Collectives:
         self._chunks += 1
         return slots
 
+    def _post(self, kind: str, piece: torch.Tensor, dtype: torch.dtype, first: bool) -> torch.Tensor:
+        """This rank's ``piece`` into its slot of the next set; once every rank has posted, that set's
+        slots (after the first chunk, the headers compared)."""
+        slots = self._next_slots(dtype)
+        slots[self.rank, : piece.numel()].copy_(piece)
+        self.segment.barrier(kind)
+        if first:
+            self._check(kind)
+        return slots
+
     def _chunk_elements(self, dtype: torch.dtype, per_rank_parts: int = 1) -> int:
         return max(1, self.segment.slot_bytes // dtype.itemsize // per_rank_parts)
 
@@ -125,11 +135,7 @@ class Collectives:
         for start in range(0, max(flat.numel(), 1), chunk):
             piece = flat[start : start + chunk]
             n = piece.numel()
-            slots = self._next_slots(tensor.dtype)
-            slots[self.rank, :n].copy_(piece)
-            self.segment.barrier("all_reduce")
-            if start == 0:
-                self._check("all_reduce")
+            slots = self._post("all_reduce", piece, tensor.dtype, first=start == 0)
             if self.world_size <= 2 or n * tensor.dtype.itemsize * self.world_size <= _WHOLE_CHUNK_BYTES:
                 combine(slots[:, :n], piece, op)
                 continue
@@ -163,11 +169,7 @@ class Collectives:
         for start in range(0, max(flat.numel(), 1), chunk):
             piece = flat[start : start + chunk]
             n = piece.numel()
-            slots = self._next_slots(torch.uint8)
-            slots[self.rank, :n].copy_(piece)
-            self.segment.barrier("all_gather")
-            if start == 0:
-                self._check("all_gather")
+            slots = self._post("all_gather", piece, torch.uint8, first=start == 0)
             for r in range(self.world_size):
                 out[r][start : start + n].copy_(slots[r, :n])
 
