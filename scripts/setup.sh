@@ -17,3 +17,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch==2.14.1 and torchvision==0.29.1 are pinned in pyproject.toml.
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The shared-memory collectives' C core, built with this machine's compiler (without one they run in Python).
+.venv/bin/python -m sn_trainer.shm.native || true

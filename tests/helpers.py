@@ -192,6 +192,14 @@ class ReportsPlacement(nn.Module):
         return self.inner(x)
 
 
+def kept_segments() -> set[int]:
+    """System V shared-memory segments of this IPC namespace that nothing marked for removal: what would
+    outlive every process that has them (the shared-memory core marks its own at once)."""
+    with open("/proc/sysvipc/shm") as listing:
+        rows = [line.split() for line in listing.readlines()[1:]]
+    return {int(row[1]) for row in rows if not int(row[2]) & 0o1000}  # SHM_DEST in the mode
+
+
 def live_children() -> list[psutil.Process]:
     """This process's descendants, less multiprocessing's resource tracker and fork server.
 

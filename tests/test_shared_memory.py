@@ -85,20 +85,51 @@ def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_b
     SharedParams.release(model)
 
 
+def _reducer(shared, rank: int, numel: int):
+    from sn_trainer.engine.comm import ReducerSetup, ShmReducer
+    from sn_trainer.engine.layout import Shard
+
+    half = numel // 2
+    return ShmReducer(ReducerSetup(rank=rank, world_size=2, shard=Shard(rank * half, (rank + 1) * half, half),
+                                   padded_numel=numel, dtype=torch.float32, store_path="", mode="all_reduce",
+                                   timeout_s=60.0, shared=shared))
+
+
+def _other_worker(shared, numel: int, done) -> None:
+    reducer = _reducer(shared, 0, numel)
+    done.wait(60)
+    reducer.close()
+
+
 def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
     """NUMA first touch: the launcher allocates the rows without touching a page; a worker's
     reducer touches its own row, and only that, so the kernel puts the row on the node of the
-    worker's cores. Pages resident in this process, by node, from /proc/self/numa_maps."""
-    from sn_trainer.engine.comm import ReducerSetup, ShmBuffers, ShmReducer
-    from sn_trainer.engine.layout import Shard
+    worker's cores. Pages resident in this process (worker 1; worker 0 is another process), by
+    node, from /proc/self/numa_maps."""
+    import multiprocessing
+
+    from sn_trainer.engine.comm import ShmShared
+
     numel = 1 << 20  # 4 MiB of float32 a row: 1024 pages
-    buffers = ShmBuffers.allocate(2, numel, torch.float32)
-    assert sum(resident_pages_by_node(buffers.grad_rows).values()) == 0  # untouched by the launcher
-    ShmReducer(ReducerSetup(rank=1, world_size=2, shard=Shard(numel // 2, numel, numel // 2), padded_numel=numel,
-                            dtype=torch.float32, store_path="", mode="all_reduce", timeout_s=60.0, shared=buffers))
-    row_pages = numel * 4 // resource.getpagesize()
-    assert sum(resident_pages_by_node(buffers.grad_rows).values()) == row_pages  # its own row, no other
-    assert torch.count_nonzero(buffers.grad_rows) == 0  # and every row reads as zeros
+    shared = ShmShared.allocate(2, numel, torch.float32)
+    rows = shared.segment.bytes(shared.rows_offset, 2 * numel * 4)
+    assert sum(resident_pages_by_node(rows).values()) == 0  # untouched by the launcher
+    context = multiprocessing.get_context("spawn")
+    done = context.Event()
+    other = context.Process(target=_other_worker, args=(shared, numel, done))
+    other.start()
+    try:
+        reducer = _reducer(shared, 1, numel)
+        row_pages, control_pages = numel * 4 // resource.getpagesize(), shared.rows_offset // resource.getpagesize()
+        resident = sum(resident_pages_by_node(rows).values())  # of the whole segment's mapping
+        assert row_pages <= resident <= row_pages + control_pages  # its own row, no other
+        assert torch.count_nonzero(rows) == 0  # and every row reads as zeros
+        reducer.close()
+    finally:
+        done.set()
+        other.join(60)
+    del rows
+    shared.release()
 
 
 def test_numa_maps_lines_are_read_by_node(tmp_path):

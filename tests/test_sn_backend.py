@@ -103,7 +103,7 @@ def all_collectives(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def checks(rank: int, size: int, group, gloo_group) -> dict:
-    got: dict = {"segment": (group or dist.group.WORLD)._segment.path}
+    got: dict = {"segment": (group or dist.group.WORLD)._group.segment.shmid}
     for dtype in DTYPES:
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
@@ -194,6 +194,12 @@ def plain_steps(world: int, steps: int = 4) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def segment_ids() -> set[int]:
+    """The System V shared-memory segments of this IPC namespace (the kernel's list)."""
+    with open("/proc/sysvipc/shm") as listing:
+        return {int(line.split()[1]) for line in listing.readlines()[1:]}
+
+
 def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
                                                                       b.contiguous().view(torch.uint8))
@@ -260,7 +266,7 @@ def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_train
             for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
                 assert (sn - gloo).abs().max().item() < 1e-12
                 assert (sn - reference).abs().max().item() < 1e-12
-        assert not os.path.exists(ranks[0]["segment"])  # unlinked as soon as every rank had mapped it
+        assert ranks[0]["segment"] not in segment_ids()  # gone with the processes that had it attached
 
 
 # --- faults ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ PACKAGE = Path(sn_trainer.__file__).parent
 LAYERS = {
     "errors": 0, "config": 0,  # the vocabulary: what can go wrong, and every setting
     "data": 1, "models": 1, "optim": 1, "phase": 1,  # the parts a run is made of
+    "shm": 1,  # the shared-memory core: segment, barrier, liveness, collectives (for engine/ and distributed/)
     "engine": 2,  # the workers: reads a resolved plan, owns no file format and no reporting
     "distributed": 3,  # the "sn" torch.distributed backend, for code that already runs DDP
     "callbacks": 3, "checkpoint": 3, "export": 3, "tuner": 3,  # the launcher's components

@@ -1,8 +1,10 @@
-"""The "sn" process group: torch.distributed's collectives among the processes of one node, in shared memory
-(and, for a group across machines, in each machine's shared memory, then over gloo between them).
+"""The "sn" process group: torch.distributed's collectives among the processes of one machine, in shared
+memory (and, for a group across machines, in each machine's shared memory, then over gloo between them).
 
-What it does not implement (point-to-point, scatter, gather, all-to-all, ...) goes to a gloo group made
-on the same store when the group is made, said once per operation in the log.
+The data moves through sn_trainer's shared-memory core (``sn_trainer.shm``): one segment per group,
+found through the group's c10d store. What it does not implement (point-to-point, scatter, gather,
+all-to-all, ...) goes to a gloo group made on the same store when the group is made, said once per
+operation in the log.
 """
 from __future__ import annotations
 
@@ -10,50 +12,88 @@ import datetime
 import logging
 import os
 import queue
-import socket
 import threading
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveFailed
-from .collectives import Collectives, reduce_op_name
-from .machines import AcrossMachines
-from .segment import SHM_SAFE, Segment
+from ..shm.collectives import OPS
+from ..shm.group import SHM_SAFE, Group
+from .machines import AcrossMachines, group_on_store, machines_of
 
 log = logging.getLogger("sn_trainer")
 
-# Each rank's data slot, in each of the two alternating sets: what one chunk of a collective moves.
-SLOT_BYTES = 4 << 20
+# Each rank's data slot, in each of the two alternating sets: what one chunk of a collective moves. Small
+# enough that a chunk's slots stay in the cores' caches between the copy in and the reads.
+SLOT_BYTES = 256 << 10
+# Synchronous collectives up to this size run in the caller's thread when the group's thread is idle
+# (the thread's hand-over costs more than they take).
+INLINE_BYTES = 1 << 20
 # Operations handed to gloo as they are (same arguments, same Work).
 GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "gather_single", "gather_into_tensor", "scatter",
                    "reduce", "reduce_scatter", "alltoall", "alltoall_base", "all_to_all_single",
                    "allgather_coalesced", "monitored_barrier")
+_OPS = {getattr(dist.ReduceOp, name): name for name in OPS}
 
 
 class PendingWork(dist.Work):
-    """A collective queued on the group's channel: done when the channel has run it; its future then
-    holds its tensors (what DDP's buckets and communication hooks chain on)."""
+    """A collective: done when it has run. Its future (what DDP's buckets and communication hooks chain
+    on) holds its tensors, or, when it failed, the error, as a C++ future DDP reads (torch's Python
+    ``Future.set_exception`` would hand DDP a "result" holding no tensors)."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], kind: str, group: Group):
         super().__init__()
-        self._tensors = tensors
-        self._future = torch.futures.Future()
+        self._tensors, self._kind, self._group = tensors, kind, group
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._outcome: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        self._completed = False
 
     def finish(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()
 
+    def has_future(self) -> bool:
+        return self._outcome is not None
+
     def complete_future(self) -> None:
-        if self._error is None:
-            self._future.set_result(self._tensors)
-        else:
-            self._future.set_exception(self._error)
+        """Complete the future once both it exists and the collective is done (either side may be last)."""
+        with self._lock:
+            if self._outcome is None or not self._done.is_set() or self._completed:
+                return
+            self._completed = True
+        self._outcome.set_result(None)
+
+    def _tensors_or_error(self, _outcome) -> list[torch.Tensor]:
+        if self._error is not None:
+            raise self._error
+        return self._tensors
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._outcome = torch.futures.Future()
+                self._future = self._outcome.then(self._tensors_or_error)
+        self.complete_future()
+        return self._future
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._done.wait()  # the channel's own waits are bounded by the group's timeout
+        """Wait for the collective; past ``timeout`` (if given and not zero), give up on it: the group is
+        broken for every rank, and this raises.
+
+        Raises:
+            CollectiveFailed: the collective failed, or did not finish within ``timeout``.
+        """
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):
+            self._group.break_group(f"sn: rank {self._group.rank} gave up waiting for its {self._kind} after "
+                                    f"{seconds:g} s (Work.wait(timeout=...))")
+            self._done.wait()  # the collective sees the group broken at once and stops
+            if self._error is None:  # it completed just as the wait gave up: the group is broken all the same
+                raise CollectiveFailed(self._group.reason(self._group.rank))
         if self._error is not None:
             raise self._error
         return True
@@ -71,44 +111,59 @@ class PendingWork(dist.Work):
         self.wait()
         return self._tensors
 
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
 
 class _Channel:
-    """One thread per group that runs its collectives one at a time in the order they were called, so
-    that a bucket's all-reduce proceeds while the backward pass computes the next buckets' gradients.
+    """The group's collectives, one at a time in the order they were called. Asynchronous ones run on a
+    thread of the group's own, so that a bucket's all-reduce proceeds while the backward pass computes
+    the next buckets' gradients; a small synchronous one runs in the caller's thread when nothing is
+    queued before it.
 
-    Futures are completed on other threads (``_Completions``): a callback chained on one may wait
-    for a later collective of this channel (PowerSGD's hook does), which would never run if the
-    callback held the channel's thread.
+    Futures are completed on other threads (``_Completions``): a callback chained on one may wait for a
+    later collective of this channel (PowerSGD's hook does), which would never run if the callback held
+    the channel's thread.
     """
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._completions = _Completions()
-        self._thread = threading.Thread(target=self._run, name="sn-collectives", daemon=True)
-        self._thread.start()
+        self._lock, self._running = threading.Lock(), threading.Lock()
+        self._pending = 0  # collectives submitted and not finished
+        self._thread: threading.Thread | None = None
 
-    def submit(self, run, tensors: list[torch.Tensor]) -> PendingWork:
-        work = PendingWork(tensors)
-        self._queue.put((run, work))
+    def submit(self, run, work: PendingWork, inline: bool) -> PendingWork:
+        with self._lock:
+            inline = inline and self._pending == 0
+            self._pending += 1
+            if not inline:
+                self._queue.put((run, work))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="sn-collectives", daemon=True)
+                    self._thread.start()
+        if inline:
+            self._execute(run, work)
         return work
 
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            run, work = job
+    def _execute(self, run, work: PendingWork) -> None:
+        with self._running:
             try:
                 run()
             except BaseException as error:  # handed to whoever waits for this collective
                 work.finish(error)
             else:
                 work.finish(None)
+        with self._lock:
+            self._pending -= 1
+        if work.has_future():
             self._completions.put(work)
 
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._execute(*job)
+
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         self._completions.close()
 
 
@@ -145,37 +200,24 @@ class _Completions:
             self._queue.put(None)
 
 
-def _node_identity() -> str:
-    """This machine: its host name and its boot, which two containers of one host share."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
-
-
-def machines_of(store, rank: int, size: int) -> list[str]:
-    """The machine each rank of the group runs on, in rank order."""
-    store.set(f"sn/node/{rank}", _node_identity())
-    return [store.get(f"sn/node/{r}").decode() for r in range(size)]
-
-
 class SnProcessGroup(dist.ProcessGroup):
-    """A process group whose collectives run through one shared-memory segment of the node."""
+    """A process group whose collectives run through one shared-memory segment of the machine."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         if not SHM_SAFE:
             raise CollectiveFailed("the 'sn' backend relies on x86-64's store order; use backend='gloo' here")
         self._rank, self._size = rank, size
+        # Every group made on this store gets keys of its own: the ranks make groups in the same order,
+        # so each rank's own count of them names the same group in every rank.
+        store = dist.PrefixStore(f"sn/{store.add(f'sn/made/{rank}', 1)}", store)
         machines = machines_of(store, rank, size)
         if len(set(machines)) == 1:
-            self._collectives = Collectives(Segment(store, rank, size, timeout, SLOT_BYTES))
+            self._collectives = group_on_store(store, rank, size, timeout, SLOT_BYTES)
         else:  # in each machine's shared memory, then between the machines over gloo
             self._collectives = AcrossMachines(store, rank, size, timeout, machines, SLOT_BYTES)
-        self._segment = self._collectives.segment
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("sn/gloo", store), rank, size, timeout)
+        self._group = self._collectives.group
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         self._handed_to_gloo: set[str] = set()
         self._channel = _Channel()
 
@@ -188,70 +230,97 @@ class SnProcessGroup(dist.ProcessGroup):
     def rank(self) -> int:
         return self._rank
 
+    def _submit(self, kind: str, run, tensors: list[torch.Tensor], opts) -> PendingWork:
+        """``run`` on the group's channel; in the caller's thread if it is synchronous, small and first."""
+        work = PendingWork(tensors, kind, self._group)
+        inline = (opts is not None and not getattr(opts, "asyncOp", True)
+                  and sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES)
+        return self._channel.submit(run, work, inline)
+
     def allreduce(self, tensors, opts=None):
-        op = reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._channel.submit(lambda: [_in_place(t, lambda t: self._collectives.all_reduce(t, op))
-                                             for t in tensors], tensors)
+        op, timeout = self._op(opts), _timeout(opts)
+        return self._submit("all_reduce", lambda: [self._in_place(t, lambda t: self._collectives.all_reduce(
+            t, op, timeout)) for t in tensors], tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
-        root = opts.rootRank if opts is not None else 0
-        return self._channel.submit(lambda: [_in_place(t, lambda t: self._collectives.broadcast(t, root))
-                                             for t in tensors], tensors)
+        root, timeout = opts.rootRank if opts is not None else 0, _timeout(opts)
+        return self._submit("broadcast", lambda: [self._in_place(t, lambda t: self._collectives.broadcast(
+            t, root, timeout)) for t in tensors], tensors, opts)
 
     def allgather(self, output_lists, input_tensors, opts=None):
-        for outputs, tensor in zip(output_lists, input_tensors):
-            _check_gather(outputs, tensor, self._size)
+        timeout = _timeout(opts)
 
         def run():
             for outputs, tensor in zip(output_lists, input_tensors):
+                if len(outputs) != self._size:
+                    self._group.fail(f"sn: rank {self._rank} called all_gather with {len(outputs)} outputs for "
+                                     f"{self._size} ranks; give one output tensor per rank")
                 gathered = torch.empty((self._size, *tensor.shape), dtype=tensor.dtype)
-                self._collectives.all_gather(list(gathered), tensor.contiguous())
+                self._collectives.all_gather(gathered, tensor.contiguous(), timeout)
                 for output, part in zip(outputs, gathered):
+                    if output.shape != part.shape or output.dtype != part.dtype:
+                        self._group.fail(f"sn: rank {self._rank}'s all_gather output of {output.dtype}"
+                                         f"{list(output.shape)} cannot hold a rank's {part.dtype}{list(part.shape)}")
                     output.copy_(part)
-        return self._channel.submit(run, [t for outputs in output_lists for t in outputs])
+        return self._submit("all_gather", run, [t for outputs in output_lists for t in outputs], opts)
 
     def _allgather_base(self, output, tensor, opts=None):
-        return self._channel.submit(self._gather_into(output, tensor), [output])
+        return self._submit("all_gather", self._gather_into(output, tensor, opts), [output], opts)
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
-        return self._channel.submit(self._scatter_into(output, tensor, opts), [output])
+        return self._submit("reduce_scatter", self._scatter_into(output, tensor, opts), [output], opts)
 
     all_gather_single = _allgather_base  # what torch's all_gather_into_tensor calls
     reduce_scatter_single = _reduce_scatter_base  # and reduce_scatter_tensor
 
     def all_gather_single_coalesced(self, outputs, tensors, opts=None):
-        runs = [self._gather_into(output, tensor) for output, tensor in zip(outputs, tensors)]
-        return self._channel.submit(lambda: [run() for run in runs], list(outputs))
+        runs = [self._gather_into(output, tensor, opts) for output, tensor in zip(outputs, tensors)]
+        return self._submit("all_gather", lambda: [run() for run in runs], list(outputs), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, tensors, opts=None):
         runs = [self._scatter_into(output, tensor, opts) for output, tensor in zip(outputs, tensors)]
-        return self._channel.submit(lambda: [run() for run in runs], list(outputs))
+        return self._submit("reduce_scatter", lambda: [run() for run in runs], list(outputs), opts)
 
-    def _gather_into(self, output, tensor):
-        """The all-gather of ``tensor`` into ``output``, to run on the channel (its sizes checked here)."""
-        if output.numel() != tensor.numel() * self._size or output.dtype != tensor.dtype:
-            raise CollectiveFailed(f"sn backend: all_gather_into_tensor needs an output of {self._size} x "
-                                   f"{tensor.numel()} {tensor.dtype}, got {output.numel()} {output.dtype}")
-        return lambda: _in_place(output, lambda out: self._collectives.all_gather(
-            list(out.view(self._size, -1)), tensor.contiguous()), copy_in=False)
+    def _gather_into(self, output, tensor, opts):
+        timeout = _timeout(opts)
+        return lambda: self._in_place(output, lambda out: self._collectives.all_gather(
+            out, tensor.contiguous(), timeout), copy_in=False)
 
     def _scatter_into(self, output, tensor, opts):
-        """The reduce-scatter of ``tensor`` into ``output``, to run on the channel (its sizes checked here)."""
-        op = reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if tensor.numel() != output.numel() * self._size or output.dtype != tensor.dtype:
-            raise CollectiveFailed(f"sn backend: reduce_scatter_tensor needs an input of {self._size} x "
-                                   f"{output.numel()} {output.dtype}, got {tensor.numel()} {tensor.dtype}")
-        return lambda: _in_place(output, lambda out: self._collectives.reduce_scatter(out, tensor.contiguous(), op),
-                                 copy_in=False)
+        op, timeout = self._op(opts), _timeout(opts)
+        return lambda: self._in_place(output, lambda out: self._collectives.reduce_scatter(
+            out, tensor.contiguous(), op, timeout), copy_in=False)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._channel.submit(self._collectives.barrier, [])
+        timeout = _timeout(opts)
+        return self._submit("barrier", lambda: self._collectives.barrier(timeout), [], opts)
+
+    def _op(self, opts) -> str:
+        """The name of the ``dist.ReduceOp`` in ``opts`` (SUM where none is given); another breaks the group."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for known, name in _OPS.items():
+            if op == known:
+                return name
+        self._group.fail(f"sn: rank {self._rank} asked for reduce op {op}, which the 'sn' backend does not "
+                         f"have; use one of {', '.join(OPS)}")
+
+    def _in_place(self, tensor: torch.Tensor, collective, copy_in: bool = True) -> None:
+        """Run ``collective`` on ``tensor`` itself, or on a contiguous copy written back after."""
+        if tensor.device.type != "cpu":
+            self._group.fail(f"sn: the 'sn' backend moves CPU tensors, rank {self._rank} gave one on "
+                             f"{tensor.device}; use backend='cpu:sn,cuda:nccl' for accelerator tensors")
+        if tensor.is_contiguous():
+            collective(tensor)
+            return
+        work = tensor.contiguous() if copy_in else torch.empty(tensor.shape, dtype=tensor.dtype)
+        collective(work)
+        tensor.copy_(work)
 
     def _to_gloo(self, name: str, *args):
         if name not in self._handed_to_gloo:
@@ -264,7 +333,8 @@ class SnProcessGroup(dist.ProcessGroup):
         self._gloo.shutdown()
         if isinstance(self._collectives, AcrossMachines):
             self._collectives.close()
-        self._segment.close()
+        self._collectives.close()
+        self._group.close()
 
     def __repr__(self) -> str:
         return f"SnProcessGroup(rank={self._rank}, size={self._size}, pid={os.getpid()})"
@@ -282,23 +352,11 @@ for _name in GLOO_OPERATIONS:
     setattr(SnProcessGroup, _name, _handed_to_gloo(_name))
 
 
-def _in_place(tensor: torch.Tensor, collective, copy_in: bool = True) -> None:
-    """Run ``collective`` on ``tensor`` itself, or on a contiguous copy written back after."""
-    if tensor.device.type != "cpu":
-        raise CollectiveFailed(f"the 'sn' backend moves CPU tensors, got one on {tensor.device}; "
-                               "use backend='cpu:sn,cuda:nccl' for accelerator tensors")
-    if tensor.is_contiguous():
-        collective(tensor)
-        return
-    work = tensor.contiguous() if copy_in else torch.empty(tensor.shape, dtype=tensor.dtype)
-    collective(work)
-    tensor.copy_(work)
-
-
-def _check_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, size: int) -> None:
-    if len(outputs) != size or any(o.numel() != tensor.numel() or o.dtype != tensor.dtype for o in outputs):
-        raise CollectiveFailed(f"sn backend: all_gather needs {size} outputs of {tensor.numel()} {tensor.dtype} "
-                               "elements, one per rank")
+def _timeout(opts) -> float | None:
+    """The collective's own timeout in seconds, where its options set one (else the group's)."""
+    timeout = getattr(opts, "timeout", None)
+    seconds = timeout.total_seconds() if timeout is not None else -1
+    return seconds if seconds > 0 else None
 
 
 def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnProcessGroup:

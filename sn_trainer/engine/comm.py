@@ -7,9 +7,9 @@ wrapper across nodes:
 - ``LocalReducer``: one worker, nothing to do;
 - ``GlooReducer``: a gloo process group over loopback (all_reduce or reduce_scatter); with
   all_reduce, buckets of gradients are sent while the backward pass computes the rest;
-- ``ShmReducer``: the workers' buffers are rows of one shared-memory tensor; each worker sums
-  its own column slice of them, and barriers spin on per-worker counters in shared memory, so
-  the hot path makes no system call and moves no byte through a socket;
+- ``ShmReducer``: the workers' buffers are rows of one shared-memory segment (the shared-memory
+  core's, ``sn_trainer.shm``, which the "sn" backend runs on too); each worker sums its own column
+  slice of them after the core's barrier, so the hot path moves no byte through a socket;
 - ``CrossNodeReducer``: wraps one of those; worker r then all-reduces its summed shard with
   worker r of every other node (one gloo group per shard index, so every core takes part).
 """
@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import os
-import platform
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -28,15 +26,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..shm.collectives import NATIVE_FLOATS, Collectives, combine
+from ..shm.group import SHM_SAFE, Group
+from ..shm.layout import PAGE, Layout
+from ..shm.memory import Segment
 from .layout import FlatLayout, Shard
-from .shared import untouched_shared
-
-# Spinning is the fastest wait while every worker has a core; past this many polls the waiter
-# yields its core, so that oversubscribed runs (workers > cores) still progress.
-_SPINS_BEFORE_YIELD = 200
-# The shm barrier publishes "my data is written" by a plain store to a counter; its peers rely
-# on stores becoming visible in program order, which x86-64 guarantees (total store order).
-SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")
 
 
 @dataclass(frozen=True)
@@ -98,20 +92,35 @@ class Reducer(Protocol):
 
 
 @dataclass
-class ShmBuffers:
-    """Shared tensors for ShmReducer, allocated once by the launcher for all workers."""
+class ShmShared:
+    """What ShmReducer's workers share, made by the launcher before they start: one segment (the shared-
+    memory core's) holding the group's control block, the small sums' slots and every worker's gradient
+    row. It travels to the workers by id; each attaches it. Gone when the launcher and its workers have
+    all detached it, whatever ends them."""
 
-    grad_rows: torch.Tensor  # [world, padded numel]: row r is worker r's gradient buffer
-    arrivals: torch.Tensor  # [world] int64: barrier generation each worker has reached
-    scratch: torch.Tensor  # [2, world, width] float64: small all-reduces, double-buffered
+    segment: Segment
+    layout: Layout
+    padded_numel: int
+    dtype: torch.dtype
+    sum_width: int  # float64 elements per worker per chunk of a small sum
 
     @classmethod
-    def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype, scratch_width: int = 8) -> "ShmBuffers":
-        """The gradient rows untouched: each worker touches its own row first (``ShmReducer``),
-        so that on a NUMA machine its row lies on the worker's node."""
-        return cls(grad_rows=untouched_shared((world_size, padded_numel), dtype),
-                   arrivals=torch.zeros(world_size, dtype=torch.int64).share_memory_(),
-                   scratch=torch.zeros(2, world_size, max(8, scratch_width), dtype=torch.float64).share_memory_())
+    def allocate(cls, world_size: int, padded_numel: int, dtype: torch.dtype, sum_width: int = 8) -> "ShmShared":
+        """The gradient rows untouched: each worker touches its own row first (``ShmReducer``), so that on a
+        NUMA machine its row lies on the worker's node."""
+        sum_width = max(8, sum_width)
+        slots = 2 * world_size * sum_width * 8
+        row_bytes = padded_numel * dtype.itemsize
+        layout = Layout(world_size, (slots + PAGE - 1) // PAGE * PAGE + world_size * row_bytes)
+        return cls(Segment.create(layout.size), layout, padded_numel, dtype, sum_width)
+
+    @property
+    def rows_offset(self) -> int:
+        return self.layout.data_offset + (2 * self.layout.world * self.sum_width * 8 + PAGE - 1) // PAGE * PAGE
+
+    def release(self) -> None:
+        """The launcher's hold on the segment, given up after the run."""
+        self.segment.detach()
 
 
 REDUCERS: dict[str, type] = {}  # by name, in the order comm=auto times them
@@ -207,7 +216,11 @@ class LocalReducer(_Always):
 
 @registered
 class ShmReducer:
-    """Gradients summed through shared memory: worker r adds up column slice r of all rows."""
+    """Gradients summed through shared memory: worker r adds up column slice r of all rows, in rank order.
+
+    The rows, the barrier (with each worker's liveness and the broken state) and the small sums are the
+    shared-memory core's (``sn_trainer.shm``), as the "sn" backend's are.
+    """
 
     name, timed, fallback = "shm", True, "gloo"
 
@@ -216,20 +229,23 @@ class ShmReducer:
         return None if SHM_SAFE else "the shared-memory barrier relies on x86-64's store order"
 
     @classmethod
-    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> ShmBuffers:
-        return ShmBuffers.allocate(workers, padded_numel, dtype, sum_width)
+    def allocate(cls, workers: int, padded_numel: int, dtype: torch.dtype, sum_width: int) -> ShmShared:
+        return ShmShared.allocate(workers, padded_numel, dtype, sum_width)
 
     def __init__(self, setup: ReducerSetup):
-        buffers, rank, world_size, shard = setup.shared, setup.rank, setup.world_size, setup.shard
+        shared, rank, world_size, shard = setup.shared, setup.rank, setup.world_size, setup.shard
         self.rank, self.world_size, self.shard = rank, world_size, shard
-        self.grad_flat = buffers.grad_rows[rank]
+        self.group = Group(shared.segment, shared.layout, rank, world_size, setup.timeout_s,
+                           slot_bytes=shared.sum_width * 8)
+        self._sums = Collectives(self.group, shared.sum_width * 8)
+        row_bytes = shared.padded_numel * shared.dtype.itemsize
+        rows = shared.segment.bytes(shared.rows_offset, world_size * row_bytes).view(shared.dtype).view(
+            world_size, shared.padded_numel)
+        self.grad_flat = rows[rank]
         self.grad_flat.zero_()  # this worker touches its row first: its pages go on this worker's node
-        self._columns = buffers.grad_rows[:, shard.start : shard.stop]
-        self.shard_grad = torch.empty(shard.size, dtype=buffers.grad_rows.dtype)
-        self._arrivals = buffers.arrivals.numpy()  # numpy: a scalar store costs ~100 ns, not ~2 us
-        self._scratch = buffers.scratch
-        self._generation = 0
-        self._sums = 0
+        self._columns = rows[:, shard.start : shard.stop]
+        self.shard_grad = torch.empty(shard.size, dtype=shared.dtype)
+        self._native_dtype = NATIVE_FLOATS.get(shared.dtype) if self.group.native is not None else None
 
     def watch(self, params, layout, backward_passes, bucket_bytes) -> None:
         pass  # summing waits for every row: nothing can start before the backward pass ends
@@ -238,41 +254,32 @@ class ShmReducer:
         return self.grad_flat.sum().item()
 
     def reduce(self) -> torch.Tensor:
-        self.barrier()  # every row is complete
-        torch.sum(self._columns, dim=0, out=self.shard_grad)
+        self.group.barrier("the gradients' sum")  # every row is complete
+        if self._native_dtype is None:
+            combine(self._columns, self.shard_grad, "SUM")
+        else:
+            columns = self._columns
+            self.group.native.sn_sum_rows(columns.data_ptr(), columns.stride(0) * columns.element_size(),
+                                          self.world_size, 0, self.shard.size, self._native_dtype,
+                                          self.shard_grad.data_ptr())
         return self.shard_grad
 
     def sum_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
-        # A tensor wider than the scratch block goes in pieces. Pieces alternate between two
-        # scratch slots: a peer can write a slot again only two pieces later, after the next
-        # piece's barrier, which waits for this worker's read.
-        values = tensor.reshape(-1).clone()
-        width = self._scratch.shape[-1]
-        for start in range(0, values.numel(), width):
-            piece = values[start : start + width]
-            slot = self._scratch[self._sums % 2]
-            self._sums += 1
-            slot[self.rank, : piece.numel()] = piece
-            self.barrier()
-            piece.copy_(slot[:, : piece.numel()].sum(dim=0))
-        tensor.copy_(values.reshape(tensor.shape))
+        values = tensor.reshape(-1).contiguous()
+        self._sums.all_reduce(values, "SUM")
+        tensor.copy_(values.view(tensor.shape))
         return tensor
 
     def sum_across_nodes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:
-        self._generation += 1
-        arrivals, generation = self._arrivals, self._generation
-        arrivals[self.rank] = generation
-        spins = 0
-        while arrivals.min() < generation:
-            spins += 1
-            if spins > _SPINS_BEFORE_YIELD:
-                os.sched_yield()
+        self.group.barrier("a barrier of the step")
 
     def close(self) -> None:
-        pass
+        self._sums.close()
+        self._columns = self.grad_flat = None
+        self.group.close()
 
 
 @registered

@@ -1,8 +1,7 @@
-"""Parameters held once in shared memory for a run, and given back as private memory after it;
-shared memory that no process has touched yet, and where a tensor's pages lie."""
+"""Parameters held once in shared memory for a run, and given back as private memory after it; and
+where a tensor's pages lie."""
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -124,17 +123,6 @@ class ReplicaBuffers:
                 _, _, shared, own = self.links[index]
                 own.copy_(shared)
         self._seen()
-
-
-def untouched_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in shared memory whose pages no process has touched yet.
-
-    The kernel places a page on the NUMA node of the first process to touch it; a worker that
-    first writes its own part (pinned to its node's cores) has it on its own node. ``torch.zeros``
-    then ``share_memory_`` would touch every page in the launcher, on the launcher's node.
-    """
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def resident_pages_by_node(tensor: torch.Tensor, numa_maps: str = "/proc/self/numa_maps") -> dict[int, int]:

@@ -170,7 +170,9 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
     rendezvous = rendezvous_dir()
     shared = SharedParams(run.model, run.layout, ema=plan.settings.ema_decay is not None,
                           ema_values=resumed.ema if resumed else None)
+    reducers = {}
     try:
+        reducers = reducer_kinds(run, plan, shared.flat.dtype)
         for source in (run.train, run.evaluation):
             if source is not None:
                 source.share_memory()
@@ -178,7 +180,7 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
         shares = Launch(plan=plan, model=run.model, layout=run.layout, flat=shared.flat, train=run.train,
                         evaluation=run.evaluation, objective=run.objective, phases=run.phases,
                         board=Board.allocate(plan.workers, len(run.layout.slots), buffer_count(run.model)),
-                        stop=stop, heartbeats=heartbeats, reducers=reducer_kinds(run, plan, shared.flat.dtype),
+                        stop=stop, heartbeats=heartbeats, reducers=reducers,
                         ema=shared.ema)
         specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
                             share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
@@ -189,6 +191,9 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
         ema = shared.ema_state_dict(run.model, run.layout) if shared.ema is not None else None
         return results, peak.peak_bytes, ema
     finally:
+        for _, held in reducers.values():  # the launcher's hold on what the workers shared (a segment)
+            if hasattr(held, "release"):
+                held.release()
         SharedParams.release(run.model)
         shutil.rmtree(rendezvous, ignore_errors=True)
 

@@ -1,0 +1,249 @@
+"""The collectives of a group, moved in fixed-size chunks through its segment's data slots.
+
+Every element of a reduction is combined in the order rank 0, 1, ..., W-1 by elementwise operations
+only: either by one rank whose result all then read, or by every rank from the same values with the
+same operations. Either way the ranks' results are bit-identical by construction, and the same for the
+same inputs whatever the chunking. float16 and bfloat16 are combined in float32 and rounded once.
+
+Chunks alternate between the segment's two slot sets: a rank writes a set again only after the next
+chunk's barrier, which every rank reaches only once it has read the previous chunk. SUM and AVG of
+floating tensors, broadcasts and gathers run in the C core where the group has it; the rest, and
+everything where no compiler was found, runs the Python loops here, on the same protocol.
+
+Each collective first checks its arguments (a bad one breaks the group, so that every rank raises),
+then writes what it is into its header; after the first barrier every rank compares the headers, so
+ranks that called different collectives, ops, roots, dtypes or sizes all raise, naming them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .group import MISMATCH, Group
+
+# Up to this many bytes read per chunk, every rank combines a whole chunk itself (see all_reduce).
+WHOLE_CHUNK_BYTES = 1 << 20
+KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+# Every dtype torch has, numbered the same way in every rank of one torch: what the headers compare.
+DTYPES = sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
+REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+             torch.int32, torch.int64, torch.bool)
+NATIVE_FLOATS = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}  # native.c's codes
+_IN_PLACE = {"SUM": torch.Tensor.add_, "AVG": torch.Tensor.add_, "PRODUCT": torch.Tensor.mul_,
+             "MIN": lambda a, b: torch.minimum(a, b, out=a), "MAX": lambda a, b: torch.maximum(a, b, out=a),
+             "BAND": torch.Tensor.bitwise_and_, "BOR": torch.Tensor.bitwise_or_, "BXOR": torch.Tensor.bitwise_xor_}
+
+
+def reduce_problem(dtype: torch.dtype, op: str) -> str | None:
+    """Why ``op`` cannot combine ``dtype`` tensors here (None: it can)."""
+    if dtype not in REDUCIBLE:
+        return f"cannot reduce {dtype} tensors; use a float or integer dtype"
+    if op == "AVG" and not dtype.is_floating_point:
+        return f"AVG of {dtype} tensors has no exact result; all_reduce with SUM and divide by the world size yourself"
+    if op in ("BAND", "BOR", "BXOR") and dtype.is_floating_point:
+        return f"{op} needs integer tensors, got {dtype}"
+    return None
+
+
+def combine(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    """``out`` = rows[0] op rows[1] op ... op rows[W-1], in that order (``out`` may be ``rows[0]``)."""
+    step, count = _IN_PLACE[op], rows.shape[0]
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        acc = rows[0].float()
+        for row in rows[1:]:
+            step(acc, row.float())
+    else:
+        acc = out
+        if op in ("SUM", "AVG") and rows.shape[0] > 1 and out.data_ptr() != rows[1].data_ptr():
+            torch.add(rows[0], rows[1], out=out)  # one pass instead of a copy and an add
+            rows = rows[1:]
+        elif out.data_ptr() != rows[0].data_ptr():
+            out.copy_(rows[0])
+        for row in rows[1:]:
+            step(acc, row)
+    if op == "AVG":
+        acc.div_(count)
+    if acc is not out:
+        out.copy_(acc)
+
+
+class Collectives:
+    """One group's collectives over its segment's slots; every rank must call them in the same order,
+    each on contiguous CPU tensors."""
+
+    def __init__(self, group: Group, slot_bytes: int):
+        self.group, self.slot_bytes = group, slot_bytes
+        self.rank, self.world_size = group.rank, group.world
+        layout = group.layout
+        self._slots = group.segment.bytes(layout.data_offset, 2 * group.world * slot_bytes).view(
+            2, group.world, slot_bytes)
+        self._ops = 0  # collectives so far: the header set they use
+
+    # --- the per-collective header ---------------------------------------------------------------
+
+    def _begin(self, kind: str, dtype: torch.dtype, numel: int, extra: int = 0, problem: str | None = None) -> int:
+        """Check the group and the arguments, then write what this rank is about to do; the first
+        barrier's ``_check`` compares it. Returns the header set's index."""
+        self.group.ensure_usable(kind)
+        if problem is not None:
+            self.group.fail(f"sn: rank {self.rank} called {kind} with a bad argument: {problem}")
+        index = self._ops
+        self._ops += 1
+        self.group.headers[index % 2, self.rank, :6] = (
+            index + 1, KINDS.index(kind) + 1, DTYPES.index(dtype), numel, numel * dtype.itemsize, extra)
+        return index
+
+    def _check(self, kind: str, index: int) -> None:
+        rows = self.group.headers[index % 2, :, :6]
+        if (rows == rows[self.rank]).all():
+            return
+        described = "; ".join(f"rank {r}{' (this one)' if r == self.rank else ''}: {_describe(row)}"
+                              for r, row in enumerate(rows.tolist()))
+        self.group.fail(f"sn: the ranks called {kind} differently ({described}); every rank must call the same "
+                        "collectives in the same order, with the same op, root, dtype and size")
+
+    def _done(self, status: int, kind: str, index: int) -> None:
+        """Raise what a native collective's status says went wrong."""
+        if status == MISMATCH:
+            self._check(kind, index)
+        self.group.check(status, kind)
+
+    def _next_slots(self, dtype: torch.dtype) -> torch.Tensor:
+        state = self.group.state
+        slots = self._slots[state.chunks % 2].view(dtype)
+        state.chunks += 1
+        return slots
+
+    def _post(self, kind: str, piece: torch.Tensor, dtype: torch.dtype, index: int, first: bool,
+              deadline: int) -> torch.Tensor:
+        """This rank's ``piece`` into its slot of the next set; once every rank has posted, that set's
+        slots (after the first chunk, the headers compared)."""
+        slots = self._next_slots(dtype)
+        slots[self.rank, : piece.numel()].copy_(piece)
+        self.group.barrier(kind, deadline)
+        if first:
+            self._check(kind, index)
+        return slots
+
+    def _chunk_elements(self, dtype: torch.dtype, per_rank_parts: int = 1) -> int:
+        return max(1, self.slot_bytes // dtype.itemsize // per_rank_parts)
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, timeout_s: float | None = None) -> None:
+        """Combine ``tensor`` over the ranks in place.
+
+        A chunk is combined whole by every rank (one barrier; every rank runs the same elementwise
+        operations in the same order on the same values, so the results are bit-identical) while that
+        reads little: at two ranks, or for small chunks. Otherwise each rank combines its own part of the
+        chunk and all read the parts (a second barrier, but each rank reads each value once).
+        """
+        flat = tensor.view(-1)
+        index = self._begin("all_reduce", tensor.dtype, flat.numel(), OPS.index(op), reduce_problem(tensor.dtype, op))
+        deadline = self.group.deadline(timeout_s)
+        lib = self.group.native
+        if lib is not None and op in ("SUM", "AVG") and tensor.dtype in NATIVE_FLOATS:
+            status = lib.sn_all_reduce(self.group._state, flat.data_ptr(), flat.numel(), NATIVE_FLOATS[tensor.dtype],
+                                       op == "AVG", WHOLE_CHUNK_BYTES, index, deadline)
+            return self._done(status, "all_reduce", index)
+        chunk = self._chunk_elements(tensor.dtype)
+        for start in range(0, max(flat.numel(), 1), chunk):
+            piece = flat[start : start + chunk]
+            n = piece.numel()
+            slots = self._post("all_reduce", piece, tensor.dtype, index, start == 0, deadline)
+            if self.world_size <= 2 or n * tensor.dtype.itemsize * self.world_size <= WHOLE_CHUNK_BYTES:
+                combine(slots[:, :n], piece, op)
+                continue
+            lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
+            combine(slots[:, lo:hi], slots[0, lo:hi], op)
+            self.group.barrier("all_reduce", deadline)
+            piece.copy_(slots[0, :n])
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> None:
+        """``tensor`` of rank ``root`` into every rank's ``tensor``."""
+        problem = None if 0 <= root < self.world_size else f"root {root} is not a rank of this group of {self.world_size}"
+        index = self._begin("broadcast", tensor.dtype, tensor.numel(), root, problem)
+        deadline = self.group.deadline(timeout_s)
+        flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(-1)
+        if self.group.native is not None:
+            status = self.group.native.sn_broadcast(self.group._state, flat.data_ptr(), flat.numel(), root, index,
+                                                    deadline)
+            return self._done(status, "broadcast", index)
+        chunk = self.slot_bytes * self.world_size
+        for start in range(0, max(flat.numel(), 1), chunk):
+            piece = flat[start : start + chunk]
+            buffer = self._next_slots(torch.uint8).view(-1)[: piece.numel()]
+            if self.rank == root:
+                buffer.copy_(piece)
+            self.group.barrier("broadcast", deadline)
+            if start == 0:
+                self._check("broadcast", index)
+            if self.rank != root:
+                piece.copy_(buffer)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        """Every rank's ``tensor`` into ``output`` (``world * tensor.numel()`` elements, in rank order)."""
+        problem = None
+        if output.numel() != tensor.numel() * self.world_size or output.dtype != tensor.dtype:
+            problem = (f"all_gather needs an output of {self.world_size} x {tensor.numel()} {tensor.dtype}, got "
+                       f"{output.numel()} {output.dtype}")
+        index = self._begin("all_gather", tensor.dtype, tensor.numel(), 0, problem)
+        deadline = self.group.deadline(timeout_s)
+        flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(-1)
+        out = output.view(-1).view(torch.uint8) if output.numel() else output.view(-1)
+        if self.group.native is not None:
+            status = self.group.native.sn_all_gather(self.group._state, flat.data_ptr(), out.data_ptr(),
+                                                     flat.numel(), index, deadline)
+            return self._done(status, "all_gather", index)
+        rows = out.view(self.world_size, -1)
+        for start in range(0, max(flat.numel(), 1), self.slot_bytes):
+            piece = flat[start : start + self.slot_bytes]
+            n = piece.numel()
+            slots = self._post("all_gather", piece, torch.uint8, index, start == 0, deadline)
+            rows[:, start : start + n].copy_(slots[:, :n])
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str,
+                       timeout_s: float | None = None) -> None:
+        """Part ``rank`` of the combination of every rank's ``tensor`` (``W * output.numel()``) into ``output``."""
+        problem = reduce_problem(tensor.dtype, op)
+        if tensor.numel() != output.numel() * self.world_size or output.dtype != tensor.dtype:
+            problem = (f"reduce_scatter needs an input of {self.world_size} x {output.numel()} {output.dtype}, got "
+                       f"{tensor.numel()} {tensor.dtype}")
+        size, world = output.numel(), self.world_size
+        index = self._begin("reduce_scatter", tensor.dtype, size, OPS.index(op), problem)
+        deadline = self.group.deadline(timeout_s)
+        lib = self.group.native
+        if lib is not None and op in ("SUM", "AVG") and tensor.dtype in NATIVE_FLOATS:
+            status = lib.sn_reduce_scatter(self.group._state, tensor.data_ptr(), output.data_ptr(), size,
+                                           NATIVE_FLOATS[tensor.dtype], op == "AVG", index, deadline)
+            return self._done(status, "reduce_scatter", index)
+        parts, out = tensor.view(world, size), output.view(-1)
+        chunk = self._chunk_elements(tensor.dtype, world)
+        for start in range(0, max(size, 1), chunk):
+            n = min(chunk, size - start)
+            slots = self._next_slots(tensor.dtype)
+            slots[self.rank, : world * n].view(world, n).copy_(parts[:, start : start + n])
+            self.group.barrier("reduce_scatter", deadline)
+            if start == 0:
+                self._check("reduce_scatter", index)
+            combine(slots[:, self.rank * n : (self.rank + 1) * n], out[start : start + n], op)
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        index = self._begin("barrier", torch.uint8, 0)
+        self.group.barrier("barrier", self.group.deadline(timeout_s))
+        self._check("barrier", index)
+
+    def close(self) -> None:
+        self._slots = None
+
+
+def _describe(row: list[int]) -> str:
+    """A header row in words: the collective, its op or root, the dtype and the number of elements."""
+    seq, kind, dtype, numel, nbytes, extra = row
+    name = KINDS[kind - 1] if 0 < kind <= len(KINDS) else "?"
+    detail = {"all_reduce": f" {OPS[extra]}" if 0 <= extra < len(OPS) else "",
+              "reduce_scatter": f" {OPS[extra]}" if 0 <= extra < len(OPS) else "",
+              "broadcast": f" from root {extra}"}.get(name, "")
+    dtype_name = str(DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(DTYPES) else "?"
+    return f"collective #{seq} {name}{detail} of {dtype_name}[{numel}] ({nbytes} bytes)"
+

@@ -1,0 +1,212 @@
+"""One rank's handle on a group's segment: the barrier every collective is built of, each rank's
+liveness, and the group's broken state.
+
+A failure anywhere (a rank gone, a timeout, ranks that disagree, a bad argument, a wait given up)
+breaks the group for every rank: the rank that meets it writes why in its reason slot and sets its
+arrival to -1; every rank waiting in a barrier, now or later, sees that and raises with that reason.
+No rank completes a collective after a peer has given up on it: a peer's arrival is read once, and a
+broken rank's arrival never counts again.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CollectiveFailed
+from . import futex, liveness, native
+from .layout import HEADER_WORDS, LINE_BYTES, MUTEX_BYTES, REASON_BYTES, Layout, NativeGroup
+from .memory import Segment
+
+OK, BROKEN, GONE, TIMEOUT, MISMATCH = range(5)  # native.c's status codes
+# Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its
+# core between polls (the peer it waits for may be queued for it), and after YIELD_S of that it sleeps on
+# the late peer's bell (a futex), waking to check the clock, its peers' liveness and the broken state.
+SPINS = 2000
+YIELD_S = 0.002
+_SLEEP_S = 0.05
+_ARRIVAL, _PID, _NATIVE = 0, 2, 3
+# A rank publishes "my data is written" by a store to its arrival word; its peers rely on stores becoming
+# visible in program order, which x86-64 guarantees (total store order) to the Python path too.
+SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")  # int64 words of a rank's line (word 1: bell and sleepers, int32 each)
+
+
+class Group:
+    """Rank ``rank`` of ``world`` on ``segment``, laid out by ``layout``; every rank must construct
+    it (the constructor ends in the group's first barrier)."""
+
+    def __init__(self, segment: Segment, layout: Layout, rank: int, world: int, timeout_s: float,
+                 slot_bytes: int = 0, use_native: bool = True):
+        if not SHM_SAFE:
+            raise CollectiveFailed("sn_trainer's shared-memory collectives rely on x86-64's store order; use gloo here")
+        self.segment, self.layout, self.rank, self.world, self.timeout_s = segment, layout, rank, world, timeout_s
+        self._lines = segment.array(0, world * LINE_BYTES // 8, np.int64).reshape(world, LINE_BYTES // 8)
+        self._bells = self._lines.view(np.int32)[:, 2]
+        self.headers = segment.array(layout.headers, 2 * world * HEADER_WORDS, np.int64).reshape(
+            2, world, HEADER_WORDS)
+        self._lib = native.load() if use_native else None
+        base = segment.address
+        self.state = NativeGroup(lines=base, mutexes=base + layout.mutexes, headers=base + layout.headers,
+                                 slots=base + layout.data_offset, slot_bytes=slot_bytes, line_bytes=LINE_BYTES,
+                                 mutex_bytes=MUTEX_BYTES, header_words=HEADER_WORDS, spins=SPINS,
+                                 yield_ns=int(YIELD_S * 1e9), world=world, rank=rank)
+        self._state = ctypes.pointer(self.state)
+        liveness.init(self._mutex(rank))
+        self._holder = liveness.Holder(self._mutex(rank))
+        self._lines[rank, _PID] = os.getpid()
+        self._lines[rank, _NATIVE] = self._lib is not None
+        self._lock = threading.Lock()  # fail() from another thread against this rank's own arrival
+        self.barrier("the group's start", native_path=False)
+        if not self._lines[:, _NATIVE].all():  # one path for the whole group: the same protocol, the same bits
+            self._lib = None
+
+    @property
+    def native(self):
+        """The C core, where every rank has it (None: the Python path)."""
+        return self._lib
+
+    def _mutex(self, rank: int) -> int:
+        return self.segment.address + self.layout.mutexes + rank * MUTEX_BYTES
+
+    # --- the barrier ------------------------------------------------------------------------------
+
+    def deadline(self, timeout_s: float | None = None) -> int:
+        """The monotonic nanosecond by which a collective started now must be done."""
+        return time.monotonic_ns() + int((self.timeout_s if timeout_s is None else timeout_s) * 1e9)
+
+    def barrier(self, what: str, deadline: int | None = None, native_path: bool = True) -> None:
+        """Return when every rank has reached this barrier.
+
+        Raises:
+            CollectiveFailed: on every rank, whatever failed (the group is then broken).
+        """
+        deadline = self.deadline() if deadline is None else deadline
+        if native_path and self._lib is not None:
+            status = self._lib.sn_barrier(self._state, deadline)
+        else:
+            status = self._arrive()
+            status = status or self._wait(deadline)
+        self.check(status, what)
+
+    def _arrive(self) -> int:
+        with self._lock:
+            self.state.generation += 1
+            if self._lines[self.rank, _ARRIVAL] < 0:
+                self.state.culprit = self.rank
+                return BROKEN
+            self._lines[self.rank, _ARRIVAL] = self.state.generation
+            self._bells[self.rank] = self.state.generation % 2**31  # after the arrival: a peer reads both
+        futex.wake(self._bell(self.rank))
+        return OK
+
+    def _bell(self, rank: int) -> int:
+        return self.segment.address + rank * LINE_BYTES + 8
+
+    def _wait(self, deadline: int) -> int:
+        """The Python twin of native.c's sn_wait."""
+        arrivals, generation, polls, yield_until = self._lines[:, _ARRIVAL], self.state.generation, 0, 0
+        while True:
+            lowest = arrivals.min()
+            if lowest >= generation:
+                return OK
+            if lowest < 0:
+                self.state.culprit = int(np.argmax(arrivals < 0))
+                return BROKEN
+            polls += 1
+            if polls < SPINS // 20:  # a Python poll costs about 20 of C's
+                continue
+            late = int(np.argmax(arrivals < generation))
+            if self._lines[late, _PID] and liveness.gone(self._mutex(late)):  # pid 0: not in the group yet
+                self.state.culprit = late
+                return GONE
+            now = time.monotonic_ns()
+            if now > deadline:
+                self.state.culprit = late
+                return TIMEOUT
+            yield_until = yield_until or now + int(YIELD_S * 1e9)
+            if now < yield_until:
+                os.sched_yield()
+                continue
+            bell = int(self._bells[late])
+            if 0 <= arrivals[late] < generation:  # read after its bell: it rang since, or the sleep ends at once
+                futex.wait(self._bell(late), bell, min(_SLEEP_S, (deadline - now) / 1e9))
+
+    # --- failures ---------------------------------------------------------------------------------
+
+    def check(self, status: int, what: str) -> None:
+        """Raise, on a failed barrier's status, what went wrong, breaking the group for every rank."""
+        if status == OK:
+            return
+        culprit = self.state.culprit
+        if status == BROKEN:
+            reason = self.reason(culprit)
+            if culprit == self.rank:
+                raise CollectiveFailed(reason or f"sn: rank {self.rank}'s group is broken")
+            self.fail(f"sn: rank {self.rank} stops in {what}: rank {culprit} broke the group ({reason})")
+        if status == GONE:
+            pid = int(self._lines[culprit, _PID])
+            self.fail(f"sn: rank {culprit} (pid {pid}) ended before {what}; rank {self.rank} stops: the group "
+                      "cannot continue without it")
+        if status == TIMEOUT:
+            late = [r for r in range(self.world) if 0 <= self._lines[r, _ARRIVAL] < self.state.generation]
+            self.fail(f"sn: rank {self.rank} waited {self.timeout_s:g} s for rank(s) "
+                      f"{', '.join(map(str, late or [culprit]))} in {what}; they never arrived (the group's timeout, "
+                      "set with init_process_group(timeout=...), or the collective's own)")
+        raise AssertionError(f"unknown status {status}")  # MISMATCH is the collectives' to describe
+
+    def fail(self, message: str) -> None:
+        """Break the group for every rank with ``message`` as this rank's reason, and raise it here.
+
+        Safe from any thread of this process (a wait given up while a collective runs).
+
+        Raises:
+            CollectiveFailed: always, with ``message``.
+        """
+        self.break_group(message)
+        raise CollectiveFailed(message)
+
+    def break_group(self, message: str) -> None:
+        """Write ``message`` as this rank's reason and mark the group broken (no raise); the first
+        reason stays."""
+        with self._lock:
+            if self._lines is None or self._lines[self.rank, _ARRIVAL] < 0:
+                return
+            encoded = message.encode()[: REASON_BYTES - 1] + b"\0"
+            slot = self.segment.array(self.layout.reasons + self.rank * REASON_BYTES, REASON_BYTES, np.uint8)
+            slot[: len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+            if self._lib is not None:
+                self._lib.sn_break(self._state)
+                return
+            self._lines[self.rank, _ARRIVAL] = -1
+            for rank in range(self.world):
+                self._bells[rank] += 1
+                futex.wake(self._bell(rank))
+
+    def reason(self, rank: int) -> str:
+        raw = self.segment.array(self.layout.reasons + rank * REASON_BYTES, REASON_BYTES, np.uint8).tobytes()
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    def broken_by(self) -> int | None:
+        """The rank that broke the group, if any."""
+        arrivals = self._lines[:, _ARRIVAL]
+        return int(np.argmax(arrivals < 0)) if (arrivals < 0).any() else None
+
+    def ensure_usable(self, what: str) -> None:
+        """Raise at the start of a collective on a group a failure already broke."""
+        culprit = self.broken_by()
+        if culprit is not None:
+            raise CollectiveFailed(f"sn: {what} on a broken group (rank {culprit}: {self.reason(culprit)}); "
+                                   "make a new group (destroy_process_group, then init_process_group)")
+
+    def close(self) -> None:
+        """Leave the group: peers that wait for this rank from now on see it gone."""
+        if self._lines is None:
+            return
+        self._holder.release()
+        self._lines = self._bells = self.headers = None
+        self.segment.detach()
+
