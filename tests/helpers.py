@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import time
+import traceback
 
 import psutil
 import torch
@@ -310,3 +312,41 @@ def stops_halfway_through_a_message(payload, send):
     (conn,) = [cell.cell_contents for cell in send.__closure__ if hasattr(cell.cell_contents, "fileno")]
     os.write(conn.fileno(), struct.pack("!i", 1 << 20) + b"0123456789")
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# --- ranks of a process group, spawned -----------------------------------------------------------
+
+def run_ranks(target, world: int, tmp_path, timeout_s: float = 120.0, extra=()) -> list[int | None]:
+    """Run ``target(rank, world, store_path, out_dir, *extra)`` in ``world`` spawned processes; their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    processes = [context.Process(target=_guarded, args=(target, rank, world, store, str(tmp_path), *extra))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [process.exitcode for process in processes]
+
+
+def _guarded(target, rank, world, store, out_dir, *extra):
+    try:
+        target(rank, world, store, out_dir, *extra)
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as file:
+            file.write(traceback.format_exc())
+        raise
+
+
+def saved_results(tmp_path, world: int) -> list[dict]:
+    """What each rank of ``run_ranks`` saved as rank<r>.pt, once no rank wrote an error."""
+    errors = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
+    assert errors == []
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
 import os
-import threading
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_ranks, saved_results
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,41 +47,6 @@ def init(rank: int, world: int, store_path: str, timeout_s: float = 30.0) -> Non
     group.SLOT_BYTES = SMALL_SLOT_BYTES
     dist.init_process_group("sn", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def run_ranks(target, world: int, tmp_path, timeout_s: float = 120.0, extra=()) -> list[int | None]:
-    """Run ``target(rank, world, store_path, out_dir, *extra)`` in ``world`` spawned processes; their exit codes."""
-    context = multiprocessing.get_context("spawn")
-    store = str(tmp_path / "store")
-    processes = [context.Process(target=_guarded, args=(target, rank, world, store, str(tmp_path), *extra))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return [process.exitcode for process in processes]
-
-
-def _guarded(target, rank, world, store, out_dir, *extra):
-    try:
-        target(rank, world, store, out_dir, *extra)
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as file:
-            file.write(traceback.format_exc())
-        raise
-
-
-def results(tmp_path, world: int) -> list[dict]:
-    errors = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
-    assert errors == []
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
 # --- every collective, op and dtype, and DDP ---------------------------------------------------
@@ -251,7 +213,7 @@ def check_odd_shapes(ranks: list[dict], world: int) -> None:
 def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(tmp_path):
     codes = run_ranks(all_collectives, 3, tmp_path)
     assert codes == [0, 0, 0]
-    saved = results(tmp_path, 3)
+    saved = saved_results(tmp_path, 3)
     for size in (3, 2):
         ranks = [saved[rank][size] for rank in range(size)]
         for key, value in ranks[0].items():
@@ -267,74 +229,6 @@ def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_train
                 assert (sn - gloo).abs().max().item() < 1e-12
                 assert (sn - reference).abs().max().item() < 1e-12
         assert ranks[0]["segment"] not in segment_ids()  # gone with the processes that had it attached
-
-
-# --- faults ------------------------------------------------------------------------------------
-
-def faults(rank: int, world: int, store: str, out_dir: str, released) -> None:
-    """Tensors and collectives that differ between the ranks; then the last rank exits abruptly partway
-    through one of a stream of all-reduces; then, in a group of the two others, rank 1 never comes."""
-    init(rank, world, store, timeout_s=60.0)
-    outcome = {"segment": dist.group.WORLD._segment.path, "refused": []}
-    calls = [lambda: dist.all_reduce(torch.ones(10 + rank)),
-             lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64)),
-             lambda: dist.all_reduce(torch.ones(10)) if rank else dist.broadcast(torch.ones(10), src=0),
-             lambda: dist.all_gather_into_tensor(torch.empty(world * (5 + rank)), torch.ones(5 + rank))]
-    for call in calls:
-        try:
-            call()
-        except Exception as error:
-            outcome["refused"].append(f"{type(error).__name__}: {error}")
-    tensor = torch.arange(6.0)
-    dist.all_reduce(tensor)  # still in step after the refused collectives
-    outcome["after"] = tensor.tolist()
-    pair = dist.new_group([0, 1], backend="sn", timeout=datetime.timedelta(seconds=3))
-    outcome["died"] = died(rank, world)
-    if rank == 1:
-        released.wait(60)
-    else:
-        try:
-            dist.all_reduce(torch.ones(3), group=pair)
-        except Exception as error:
-            outcome["late"] = f"{type(error).__name__}: {error}"
-        released.set()
-    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def died(rank: int, world: int) -> tuple[str, float]:
-    """All-reduce over and over until a peer is gone (the last rank exits after a moment)."""
-    tensor = torch.ones(4000)
-    if rank == world - 1:
-        threading.Timer(0.3, os._exit, args=(3,)).start()
-    started = time.monotonic()
-    try:
-        while True:
-            dist.all_reduce(tensor)
-            tensor.fill_(1.0)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}", time.monotonic() - started
-
-
-def test_a_dead_a_late_and_a_mismatched_rank_are_each_a_clear_error_naming_the_rank(tmp_path):
-    world = 3
-    released = multiprocessing.get_context("spawn").Event()
-    codes = run_ranks(faults, world, tmp_path, extra=(released,))
-    assert codes == [0, 0, 3]
-    assert [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))] == []
-    outcomes = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world - 1)]
-    for outcome in outcomes:
-        refused = outcome["refused"]
-        assert len(refused) == 4 and all(r.startswith("CollectiveFailed: sn backend: the ranks called") for r in refused)
-        assert "float32[10]" in refused[0] and "float32[11]" in refused[0] and "float32[12]" in refused[0]
-        assert "float64[10]" in refused[1] and "float32[10]" in refused[1]
-        assert "broadcast" in refused[2] and "all_reduce" in refused[2]
-        assert "all_gather" in refused[3] and "[6]" in refused[3]
-        assert outcome["after"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
-        message, seconds = outcome["died"]
-        assert message.startswith(f"CollectiveFailed: sn backend: rank {world - 1} (pid ") and "died" in message
-        assert seconds < 30.0  # well inside the group's 60 s timeout: the death is seen, not waited out
-        assert not os.path.exists(outcome["segment"])  # unlinked as soon as every rank had mapped it
-    assert outcomes[0]["late"].startswith("CollectiveFailed: sn backend: rank 0 waited 3 s for rank(s) 1")
 
 
 def on_another_machine(host: str) -> None:
@@ -366,7 +260,7 @@ def test_a_group_across_two_machines_sums_in_each_then_between_them_exactly(tmp_
     """Ranks 0, 1 on this machine, 2, 3 on "another" (a UTS namespace): every collective as on one."""
     codes = run_ranks(across_machines, 4, tmp_path, timeout_s=170)
     assert codes == [0, 0, 0, 0]
-    saved = results(tmp_path, 4)
+    saved = saved_results(tmp_path, 4)
     ranks = [saved[rank][4] for rank in range(4)]
     assert [r["machines"] for r in ranks] == [2, 2, 2, 2]
     for key, value in ranks[0].items():

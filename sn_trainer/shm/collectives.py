@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .group import MISMATCH, Group
+from .group import BROKEN, MISMATCH, OK, Group
 
 # Up to this many bytes read per chunk, every rank combines a whole chunk itself (see all_reduce).
 WHOLE_CHUNK_BYTES = 1 << 20
@@ -94,19 +94,27 @@ class Collectives:
         return index
 
     def _check(self, kind: str, index: int) -> None:
+        """Fail if a rank that wrote this collective's header wrote another than this rank's."""
         rows = self.group.headers[index % 2, :, :6]
-        if (rows == rows[self.rank]).all():
+        written = rows[:, 0] == index + 1
+        if (rows[written] == rows[self.rank]).all():
             return
         described = "; ".join(f"rank {r}{' (this one)' if r == self.rank else ''}: {_describe(row)}"
-                              for r, row in enumerate(rows.tolist()))
+                              for r, row in enumerate(rows.tolist()) if written[r])
         self.group.fail(f"sn: the ranks called {kind} differently ({described}); every rank must call the same "
                         "collectives in the same order, with the same op, root, dtype and size")
 
-    def _done(self, status: int, kind: str, index: int) -> None:
-        """Raise what a native collective's status says went wrong."""
-        if status == MISMATCH:
-            self._check(kind, index)
+    def _done(self, status: int, kind: str, index: int | None) -> None:
+        """Raise what a barrier's status says went wrong; after a collective's first barrier (``index``
+        given) ranks that called different collectives are named as such, from this rank's side, also
+        when a peer found it first and broke the group."""
+        if index is not None:
+            if status in (OK, MISMATCH, BROKEN):  # BROKEN: among the ranks that got as far as this one
+                self._check(kind, index)
         self.group.check(status, kind)
+
+    def _barrier(self, kind: str, deadline: int, index: int | None = None) -> None:
+        self._done(self.group.arrive_and_wait(deadline), kind, index)
 
     def _next_slots(self, dtype: torch.dtype) -> torch.Tensor:
         state = self.group.state
@@ -120,9 +128,7 @@ class Collectives:
         slots (after the first chunk, the headers compared)."""
         slots = self._next_slots(dtype)
         slots[self.rank, : piece.numel()].copy_(piece)
-        self.group.barrier(kind, deadline)
-        if first:
-            self._check(kind, index)
+        self._barrier(kind, deadline, index if first else None)
         return slots
 
     def _chunk_elements(self, dtype: torch.dtype, per_rank_parts: int = 1) -> int:
@@ -156,7 +162,7 @@ class Collectives:
                 continue
             lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
             combine(slots[:, lo:hi], slots[0, lo:hi], op)
-            self.group.barrier("all_reduce", deadline)
+            self._barrier("all_reduce", deadline)
             piece.copy_(slots[0, :n])
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> None:
@@ -175,9 +181,7 @@ class Collectives:
             buffer = self._next_slots(torch.uint8).view(-1)[: piece.numel()]
             if self.rank == root:
                 buffer.copy_(piece)
-            self.group.barrier("broadcast", deadline)
-            if start == 0:
-                self._check("broadcast", index)
+            self._barrier("broadcast", deadline, index if start == 0 else None)
             if self.rank != root:
                 piece.copy_(buffer)
 
@@ -223,15 +227,12 @@ class Collectives:
             n = min(chunk, size - start)
             slots = self._next_slots(tensor.dtype)
             slots[self.rank, : world * n].view(world, n).copy_(parts[:, start : start + n])
-            self.group.barrier("reduce_scatter", deadline)
-            if start == 0:
-                self._check("reduce_scatter", index)
+            self._barrier("reduce_scatter", deadline, index if start == 0 else None)
             combine(slots[:, self.rank * n : (self.rank + 1) * n], out[start : start + n], op)
 
     def barrier(self, timeout_s: float | None = None) -> None:
         index = self._begin("barrier", torch.uint8, 0)
-        self.group.barrier("barrier", self.group.deadline(timeout_s))
-        self._check("barrier", index)
+        self._barrier("barrier", self.group.deadline(timeout_s), index)
 
     def close(self) -> None:
         self._slots = None

@@ -84,13 +84,14 @@ class Group:
         Raises:
             CollectiveFailed: on every rank, whatever failed (the group is then broken).
         """
+        self.check(self.arrive_and_wait(deadline, native_path), what)
+
+    def arrive_and_wait(self, deadline: int | None = None, native_path: bool = True) -> int:
+        """The barrier, returning its status (``check`` raises what it says)."""
         deadline = self.deadline() if deadline is None else deadline
         if native_path and self._lib is not None:
-            status = self._lib.sn_barrier(self._state, deadline)
-        else:
-            status = self._arrive()
-            status = status or self._wait(deadline)
-        self.check(status, what)
+            return self._lib.sn_barrier(self._state, deadline)
+        return self._arrive() or self._wait(deadline)
 
     def _arrive(self) -> int:
         with self._lock:
@@ -199,8 +200,9 @@ class Group:
         """Raise at the start of a collective on a group a failure already broke."""
         culprit = self.broken_by()
         if culprit is not None:
-            raise CollectiveFailed(f"sn: {what} on a broken group (rank {culprit}: {self.reason(culprit)}); "
-                                   "make a new group (destroy_process_group, then init_process_group)")
+            raise CollectiveFailed(f"sn: rank {self.rank} cannot run {what}: rank {culprit} broke the group "
+                                   f"({self.reason(culprit)}); make a new group (destroy_process_group, then "
+                                   "init_process_group)")
 
     def close(self) -> None:
         """Leave the group: peers that wait for this rank from now on see it gone."""
