@@ -43,6 +43,8 @@ from .stages import STAGES, WAITING
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# How long the launcher waits, after a worker failed because of a peer, to see that peer's own end.
+_SETTLE_S = 2.0
 
 
 
@@ -406,9 +408,10 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
             elif kind == "refused":
                 refusals.append(body)
 
-    while running and not failures:
+    def watch(timeout_s: float) -> None:
+        """Deliver what arrives within ``timeout_s``, and reap the workers that ended meanwhile."""
         sentinels = {procs[r].sentinel: r for r in running}
-        ready = wait([inbox.wakeup, *sentinels], timeout=tick_s)
+        ready = wait([inbox.wakeup, *sentinels], timeout=timeout_s)
         deliver()
         for rank in [sentinels[r] for r in ready if r in sentinels]:
             procs[rank].join()
@@ -417,17 +420,33 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
             running.discard(rank)
             if rank not in results and not any(r == rank for r, _ in failures):
                 failures.append((rank, describe_exit(procs[rank].exitcode)))
+
+    while running and not failures:
+        watch(tick_s)
         if running and not failures:
             if watchdog.on_tick is not None:
                 watchdog.on_tick([procs[r].pid for r in running])
             if watchdog.heartbeats is not None and watchdog.timeout_s is not None:
                 failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s, busy_until))
+    # A worker that stopped because a peer ended can tell before the launcher sees that peer's exit: the
+    # peer's end is the cause to report, so it gets a moment to be seen.
+    settle_by = time.monotonic() + _SETTLE_S
+    while running and failures and all(_follows_a_peer(detail) for _, detail in failures):
+        if (left := settle_by - time.monotonic()) <= 0:
+            break
+        watch(left)
+    failures.sort(key=lambda failure: _follows_a_peer(failure[1]))
     if refusals:  # bad input, not a failed worker: no restart mends it, and the user is told it in one line
         raise refusals[0]
     if failures:
         rank, detail = failures[0]
         raise WorkerFailed(rank, detail, failures[1:], where=where)
     return [results[r] for r in range(len(procs))]
+
+
+def _follows_a_peer(detail: str) -> bool:
+    """Whether a worker's failure is its collectives' report of a peer's (a CollectiveFailed)."""
+    return "CollectiveFailed: " in detail
 
 
 def _teardown(procs) -> None:
