@@ -1,15 +1,18 @@
 """One node of an elastic job on the Trainer API, for test_elastic.py; run it under torchrun --nnodes=MIN:MAX.
 
 Two holds make the membership change at known steps: ``--victim-step K`` makes the last node of
-the first three-node round stop after step K and say so (its whole torchrun is then killed by the
-test); ``--hold-step M`` makes node 0 of a two-node round stop after step M and say so, until
-torchrun's agent stops it because a node has joined.
+the first round of ``--victim-nodes`` nodes (default 3) stop after step K and say so (its whole
+torchrun is then killed by the test); ``--hold-step M`` makes node 0 of a round of
+``--hold-nodes`` nodes (default 2) after that stop after step M and say so, until torchrun's agent
+stops it because a node has joined. ``--crash-step C`` kills node 0's process after step C, once
+in the job, as a crash would.
 """
 import argparse
 import functools
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -25,21 +28,23 @@ BATCH, SEED, REWARMUP = 12, 3, 2
 class Holds(Callback):
     """Stops this node after a step where the test wants a membership change, and tells the test."""
 
-    def __init__(self, cluster: Cluster, out: str, victim_step: int, hold_step: int, link_step: int):
-        self.cluster, self.out, self.victim_step, self.hold_step = cluster, out, victim_step, hold_step
-        self.link_step = link_step
+    def __init__(self, cluster: Cluster, args: argparse.Namespace):
+        self.cluster, self.out, self.args = cluster, args.out, args
 
     def on_step_end(self, trainer, progress) -> None:
-        victim = self.cluster.nodes == 3 and self.cluster.node_rank == 2 and progress.step >= self.victim_step
+        args, nodes, rank = self.args, self.cluster.nodes, self.cluster.node_rank
+        if rank == 0 and progress.step >= args.crash_step and self._say("crash", {"step": progress.step}):
+            os.kill(os.getpid(), signal.SIGKILL)
+        victim = nodes == args.victim_nodes and rank == nodes - 1 and progress.step >= args.victim_step
         if victim and self._say("victim", {"agent": os.getppid(), "step": progress.step}):
             threading.Event().wait()  # until the test kills this node's torchrun
-        held = (self.cluster.nodes == 2 and self.cluster.is_leader and progress.step >= self.hold_step
+        held = (nodes == args.hold_nodes and self.cluster.is_leader and progress.step >= args.hold_step
                 and os.path.exists(os.path.join(self.out, "victim.claimed")))  # the round after the loss, not one before
         if held and self._say("held", {"step": progress.step}):
             while not trainer._stop.signal:  # until torchrun's agent stops this round for the node that joined
                 time.sleep(0.05)
 
-        if self.cluster.node_rank == 1 and progress.step >= self.link_step and self._say("link", {}):
+        if rank == 1 and progress.step >= args.link_step and self._say("link", {}):
             while not os.path.exists(os.path.join(self.out, "link_down")):  # until the test has taken it down
                 time.sleep(0.05)
 
@@ -66,6 +71,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--worker-timeout", type=float, default=300.0)
     parser.add_argument("--link-step", type=int, default=10**9)
+    parser.add_argument("--victim-nodes", type=int, default=3)
+    parser.add_argument("--hold-nodes", type=int, default=2)
+    parser.add_argument("--crash-step", type=int, default=10**9)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     cluster = Cluster.from_env(os.environ)
@@ -76,8 +84,7 @@ def main() -> None:
     result = Trainer(cluster=cluster, workers=1, batch_size=args.batch_size, max_steps=args.steps, seed=SEED,
                      comm="shm", checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1, log_every=1,
                      rewarmup_steps=REWARMUP, worker_timeout=args.worker_timeout).fit(model, tiny_dataset(dtype=torch.float64), optimizer=SGD,
-                                                   callbacks=[Holds(cluster, args.out, args.victim_step,
-                                                                    args.hold_step, args.link_step)])
+                                                   callbacks=[Holds(cluster, args)])
     if cluster.is_leader:
         torch.save(model.state_dict(), os.path.join(args.out, "params.pt"))
         with open(os.path.join(args.out, "summary.json"), "w") as f:

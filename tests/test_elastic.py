@@ -40,7 +40,8 @@ def start_node(port, run_id, marker, nnodes, *job_args, max_restarts=3):
                              "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                              f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={max_restarts}",
                              "--monitor-interval=0.5", str(JOB), *job_args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # a node's own session, as on a machine of its own
 
 
 def collect(node, outputs):
@@ -72,13 +73,23 @@ def wait_for_port(port: int, node, deadline_s: float) -> None:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a torchrun agent and everything it started, as a node that loses power."""
+    """SIGKILL a torchrun agent and everything it started, as a node that loses power: every process
+    below it and every process of its session and of theirs (torchrun starts each worker in one)."""
     agent = psutil.Process(pid)
-    for proc in [agent, *agent.children(recursive=True)]:
+    below = [agent, *agent.children(recursive=True)]
+    sessions = {session for session in map(_session, below) if session is not None}
+    for proc in [*below, *(p for p in psutil.process_iter() if _session(p) in sessions)]:
         try:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+
+def _session(proc: psutil.Process) -> int | None:
+    try:
+        return os.getsid(proc.pid)
+    except ProcessLookupError:
+        return None
 
 
 def end_all(nodes, readers) -> None:
@@ -105,22 +116,22 @@ def by_hand(membership, total_steps, tmp_path):
     return model.state_dict()
 
 
-@pytest.mark.timeout(600)
-def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
-    marker, port, run_id, steps = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8], 9
-    job = ["--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
-           "--victim-step", "3", "--hold-step", "5"]
+def lose_one_then_join(tmp_path, nnodes: str, first: int, *job) -> tuple[list[str], list[int]]:
+    """Start ``first`` nodes of an elastic job; when the victim says so, kill its whole torchrun;
+    when a node of the smaller round says it holds, start one more. Every node's output (also in
+    ``node<i>.log``) and the survivors' exit codes."""
+    marker, port, run_id = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8]
     nodes, outputs, readers = [], [], []
     try:
-        for index in range(3):
-            nodes.append(start_node(port, run_id, marker, "2:3", *job))
+        for index in range(first):
+            nodes.append(start_node(port, run_id, marker, nnodes, *job))
             readers.append(collect(nodes[-1], outputs))
             if index == 0:
                 wait_for_port(port, nodes[0], 240)
         victim = wait_for(tmp_path / "victim", nodes, 240)
         kill_tree(victim["agent"])
         wait_for(tmp_path / "held", [n for n in nodes if n.pid != victim["agent"]], 240)
-        nodes.append(start_node(port, run_id, marker, "2:3", *job))  # a new node joins the two left
+        nodes.append(start_node(port, run_id, marker, nnodes, *job))  # a new node joins those left
         readers.append(collect(nodes[-1], outputs))
         for node in nodes:
             node.wait(timeout=240)
@@ -128,9 +139,17 @@ def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
         end_all(nodes, readers)
     for index, out in enumerate(outputs):
         (tmp_path / f"node{index}.log").write_text(out)
-    survivors = [node.returncode for node in nodes if node.pid != victim["agent"]]
-    assert survivors == [0, 0, 0], "\n".join(out[-3000:] for out in outputs)
     assert processes_with_marker(marker) == []
+    return outputs, [node.returncode for node in nodes if node.pid != victim["agent"]]
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
+    steps = 9
+    outputs, survivors = lose_one_then_join(
+        tmp_path, "2:3", 3, "--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
+        "--victim-step", "3", "--hold-step", "5")
+    assert survivors == [0, 0, 0], "\n".join(out[-3000:] for out in outputs)
     everything = "".join(outputs)
     assert re.search(r"node \d worker 0 failed", everything) and "resuming from" in everything
     membership = json.loads((tmp_path / "summary.json").read_text())["membership"]
@@ -139,6 +158,47 @@ def test_a_node_lost_and_one_joining_resume_as_by_hand_at_each_size(tmp_path):
     elastic = torch.load(tmp_path / "params.pt", weights_only=True)
     for name, value in by_hand(membership, steps, tmp_path).items():
         torch.testing.assert_close(elastic[name], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(600)
+def test_a_job_shrunk_to_one_node_goes_on_from_its_checkpoint_and_grows_back_to_two(tmp_path):
+    """torchrun --nnodes=1:2: the node left alone is restarted as a one-node job of the same
+    rdzv id, resumes the checkpoints its job wrote in the folder, and goes on at two nodes when
+    one joins."""
+    steps = 9
+    outputs, survivors = lose_one_then_join(
+        tmp_path, "1:2", 2, "--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps),
+        "--victim-step", "3", "--victim-nodes", "2", "--hold-step", "5", "--hold-nodes", "1")
+    assert survivors == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    membership = json.loads((tmp_path / "summary.json").read_text())["membership"]
+    assert [(e["nodes"], e["workers"]) for e in membership][-3:] == [(2, 2), (1, 1), (2, 2)], membership
+    assert 3 <= membership[-2]["step"] < membership[-1]["step"], membership  # resumed, never from step 0
+    assert membership[-1]["step"] >= 5, membership  # after the hold
+    elastic = torch.load(tmp_path / "params.pt", weights_only=True)
+    for name, value in by_hand(membership, steps, tmp_path).items():
+        torch.testing.assert_close(elastic[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_one_node_job_torchrun_restarts_goes_on_from_its_own_checkpoint(tmp_path):
+    """torchrun --nnodes=1 --max-restarts=1 (no rdzv id: torchrun's default, none), its process
+    killed after a step: the restart resumes the job's checkpoint (a resume at the same size is
+    exact: test_run_owns.py) and trains to the end."""
+    marker, steps = uuid.uuid4().hex, 4
+    node = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--monitor-interval=0.5", str(JOB),
+         "--out", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", str(steps), "--crash-step", "2"],
+        env={**os.environ, "SN_TEST_MARKER": marker}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300)
+    (tmp_path / "node.log").write_text(node.stdout)
+    assert node.returncode == 0, node.stdout[-4000:]
+    assert processes_with_marker(marker) == []
+    crashed = json.loads((tmp_path / "crash").read_text())["step"]
+    resumed = [int(step) for step in re.findall(r"resuming from \S+ \(step (\d+)\)", node.stdout)]
+    assert len(resumed) == 1 and 1 <= resumed[0] <= crashed, node.stdout[-4000:]  # not from 0, no step skipped
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (tmp_path / "start-1-0").exists() and summary["steps"] == steps
+    assert summary["membership"] == [{"step": 0, "nodes": 1, "workers": 1}]  # the same size: no change
 
 
 def test_a_node_with_other_batch_settings_is_refused_at_rendezvous_naming_it(tmp_path):
@@ -253,26 +313,49 @@ def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path
 
 def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_checkpoint(tmp_path):
     """A join restarts every node without counting a restart (a new node starts at 0): the
-    checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job."""
+    checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job
+    but to a restart. One node alone (an elastic job shrunk to it, a one-node job restarted) too."""
     from sn_trainer import CheckpointError, TrainerConfig
     from sn_trainer.checkpoint import files
     from sn_trainer.checkpoint.resume import locate
     from sn_trainer.config import CheckpointConfig
 
-    files.CheckpointDir(tmp_path).save(files.build(2, {"w": torch.zeros(1)}, None, [], {"torchrun_run_id": "job1"},
-                                                   None))
-    settings = TrainerConfig(checkpoint=CheckpointConfig(dir=str(tmp_path)))
+    def folder_of(job, steps):
+        folder = tmp_path / str(job)
+        for step in steps:
+            files.CheckpointDir(folder).save(files.build(step, {"w": torch.zeros(1)}, None, [],
+                                                         {} if job is None else {"torchrun_run_id": job}, None))
+        return folder
 
-    def located(run_id, node_rank=1, restart_count=0):
-        cluster = Cluster(node_rank=node_rank, nodes=2, master_addr="127.0.0.1", master_port=1, run_id=run_id,
-                          restart_count=restart_count)
-        return locate(settings, cluster)[1]
+    def located(folder, run_id, nodes=2, node_rank=1, restart_count=0):
+        env = {"TORCHELASTIC_RUN_ID": run_id, "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": str(nodes),
+               "RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+               "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+        return locate(TrainerConfig(checkpoint=CheckpointConfig(dir=str(folder))), Cluster.from_env(env))[1]
 
-    assert located("job1") == tmp_path
-    assert located("job2") is None and located("none") is None
-    assert located("job2", restart_count=1) == tmp_path  # a restart after a failure: always the last one
-    with pytest.raises(CheckpointError, match="already holds checkpoints"):
-        located("job2", node_rank=0)  # the leader starting afresh refuses another job's folder
+    job1, unnamed, plain = folder_of("job1", [2, 4]), folder_of("none", [2]), folder_of(None, [2])
+    assert located(job1, "job1") == job1 and located(job1, "job1", nodes=1, node_rank=0) == job1
+    assert located(job1, "job2") is None and located(job1, "none") is None
+    assert located(job1, "job2", restart_count=1) is None  # a restart too: only its own job's
+    assert located(unnamed, "none", nodes=1, node_rank=0, restart_count=1) == unnamed  # torchrun --nnodes=1 restarted
+    newest = job1 / "step-000000004.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # torn: resume passes over it, and so does this
+    assert located(job1, "job1", nodes=1, node_rank=0, restart_count=2) == job1
+    for folder, run_id, restarts in ((job1, "job2", 1), (unnamed, "none", 0), (plain, "none", 1)):
+        with pytest.raises(CheckpointError, match="already holds checkpoints"):
+            located(folder, run_id, nodes=1, node_rank=0, restart_count=restarts)  # the leader refuses another's
+
+
+def test_one_node_resumes_random_streams_only_from_a_checkpoint_one_node_wrote():
+    from sn_trainer.checkpoint.resume import streams_resume
+
+    def saved(nodes):
+        return {"rng": [{}], "run": {"membership": [{"step": 0, "nodes": 2, "workers": 2},
+                                                    {"step": 3, "nodes": nodes, "workers": nodes}]}}
+
+    assert streams_resume(saved(1), 1, one_node=True) and streams_resume({"rng": [{}]}, 1, one_node=True)
+    assert not streams_resume(saved(2), 1, one_node=True)  # node 0's alone: shrunk to one node, start afresh
+    assert not streams_resume(saved(1), 2, one_node=True) and not streams_resume(saved(1), 1, one_node=False)
 
 
 def wait_for_files(paths, nodes, deadline_s: float) -> None:

@@ -89,7 +89,9 @@ def test_torchrun_environment_is_read_and_checked():
     assert (cluster.node_rank, cluster.nodes, cluster.restart_count, cluster.interface) == (2, 3, 1, "eth1")
     assert not cluster.is_leader
     assert Cluster.from_env({}) is None
-    assert Cluster.from_env({**env, "WORLD_SIZE": "1", "RANK": "0"}) is None
+    alone = Cluster.from_env({**env, "WORLD_SIZE": "1", "RANK": "0"})  # a job shrunk to one node is still the job
+    assert (alone.nodes, alone.run_id, alone.spans_nodes, alone.met()) == (1, "r1", False, alone)  # meets no one
+    assert Cluster.from_env({"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "RANK": "0"}) is None  # not torchrun's
     with pytest.raises(ClusterError, match="--nproc-per-node=1"):
         Cluster.from_env({**env, "LOCAL_WORLD_SIZE": "4"})
 

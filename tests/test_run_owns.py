@@ -6,6 +6,7 @@ pruned; a failing evaluation killed the run from the loggers and monitors; a mis
 was found after a whole epoch; a metric that counted nothing vanished and NaN became a best; an
 update that overflowed the parameters ended in a bare RuntimeError.
 """
+import contextlib
 import copy
 import csv
 import functools
@@ -65,6 +66,86 @@ def test_a_folder_another_live_run_writes_is_refused_and_a_dead_ones_taken_over(
     # The same lock, its process gone: taken over, and let go at the end.
     result = fit(tmp_path, 4, 2)
     assert result.last_checkpoint is not None and not (tmp_path / CheckpointDir.LOCK).exists()
+
+
+def _claim_in_rounds(folder, me, racers, rounds, dead_pid, barrier, outcomes):
+    """One racer: each round, claim ``folder`` at the barrier's release; an owner holds it until
+    every racer has tried, then lets go. ``dead_pid``: racer 0 first leaves a dead run's lock."""
+    folder, lock = CheckpointDir(folder), Path(folder) / CheckpointDir.LOCK
+    for round_ in range(rounds):
+        if dead_pid is not None and me == 0:
+            lock.with_name("stale").write_text(str(dead_pid))
+            os.replace(lock.with_name("stale"), lock)
+        barrier.wait(timeout=60)  # the lock as it should be for this round; all start together
+        try:
+            with folder.claimed():
+                outcomes[round_ * racers + me] = 1
+                barrier.wait(timeout=60)  # every other racer has tried while this one owns
+        except CheckpointError:
+            outcomes[round_ * racers + me] = 0
+            barrier.wait(timeout=60)
+        barrier.wait(timeout=60)  # the owner has let go
+
+
+def race_for_the_lock(folder, racers, rounds, dead_pid=None):
+    """Each round's owners: how many of ``racers`` processes, claiming ``folder`` at one instant, owned it."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # cheap to start; the owner's identity is its process
+    barrier, outcomes = context.Barrier(racers), context.RawArray("b", [-1] * (racers * rounds))
+    processes = [context.Process(target=_claim_in_rounds, args=(folder, me, racers, rounds, dead_pid, barrier, outcomes))
+                 for me in range(racers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert [process.exitcode for process in processes] == [0] * racers  # every claim owned or refused
+    return [sum(outcomes[r * racers:(r + 1) * racers]) for r in range(rounds)]
+
+
+def test_runs_claiming_one_folder_at_the_same_instant_have_one_owner(tmp_path):
+    owners = race_for_the_lock(tmp_path, racers=2, rounds=2000)
+    assert [round_ for round_, n in enumerate(owners) if n != 1] == []
+    assert not (tmp_path / CheckpointDir.LOCK).exists()  # the last owner let go
+
+
+def test_runs_finding_a_dead_runs_lock_at_the_same_instant_one_takes_it_over(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    owners = race_for_the_lock(tmp_path, racers=2, rounds=1000, dead_pid=dead.pid)
+    assert [round_ for round_, n in enumerate(owners) if n != 1] == []
+
+
+def test_a_run_killed_while_a_child_it_forked_lives_leaves_a_lock_the_next_run_takes_over(tmp_path):
+    """The lock is flock()ed, and a forked child shares its parent's flock: it must let go of it."""
+    import threading
+
+    said, says = os.pipe()
+    run = os.fork()
+    if run == 0:  # a run that claims the folder and forks a child that outlives it
+        try:
+            with CheckpointDir(tmp_path).claimed():
+                child = os.fork()
+                if child == 0:
+                    threading.Event().wait()  # until the test kills it
+                os.write(says, str(child).encode())
+                threading.Event().wait()  # until the test kills it
+        finally:
+            os._exit(1)
+    child = int(os.read(said, 32))
+    try:
+        with pytest.raises(CheckpointError, match=f"another run \\(process {run}\\)"):
+            with CheckpointDir(tmp_path).claimed():
+                pass
+        os.kill(run, signal.SIGKILL)
+        os.waitpid(run, 0)
+        with CheckpointDir(tmp_path).claimed():  # the child lives on, and the lock is the next run's
+            assert (tmp_path / CheckpointDir.LOCK).read_text() == str(os.getpid())
+    finally:
+        for pid in (run, child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not (tmp_path / CheckpointDir.LOCK).exists()
 
 
 def test_pruning_leaves_a_live_writers_file_alone(tmp_path):

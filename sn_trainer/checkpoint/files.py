@@ -7,9 +7,13 @@ accumulate, seed, shuffle, drop_last, training-set size), the resolved config an
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import pickle
 import re
+import uuid
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,29 +66,73 @@ class CheckpointDir:
     def claimed(self):
         """This process writes the directory while the block runs; no other run may.
 
+        The lock is ``.lock`` naming this process, flock()ed for as long as the block runs. It is
+        written whole and locked before it takes its name (a hard link, which fails where the
+        name exists), so a second run never reads a lock half-made; one whose run is gone (no
+        flock on it, and the process it names dead or this one) is replaced while flock()ed by
+        the run replacing it, so two runs finding it at once cannot both take it over. The
+        kernel lets go of a killed run's flock: SIGKILL leaves a lock the next run takes over.
+
         Raises:
             CheckpointError: another live process is writing checkpoints here.
         """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock = self.path / self.LOCK
-        while True:
-            try:
-                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                holder = _pid_in(lock)
-                if holder is not None and holder != os.getpid() and psutil.pid_exists(holder):
-                    raise CheckpointError(f"{self.path} is being written by another run (process {holder}); give "
-                                          "this run a checkpoint directory of its own") from None
-                lock.unlink(missing_ok=True)  # left by a run that is gone (or by this process): take it over
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            break
+        fd = self._take(lock)
         try:
             yield self
         finally:
-            if _pid_in(lock) == os.getpid():
-                lock.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if _same_file(fd, lock):  # unlinked while still held: a run waiting on it tries afresh
+                    lock.unlink()
+            _release(fd)
+
+    def _take(self, lock: Path) -> int:
+        """The lock, taken: its open, flock()ed descriptor."""
+        for stale in _left_by_dead(self.path, ".lock.*.tmp-*"):  # a claim killed half-way left it
+            stale.unlink(missing_ok=True)
+        mine = lock.with_name(f"{lock.name}.{uuid.uuid4().hex}.tmp-{os.getpid()}")
+        fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _HELD.add(fd)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+            _flock(fd)  # a fresh file: no one else can hold it
+            while True:
+                try:
+                    os.link(mine, lock)
+                    return fd
+                except FileExistsError:
+                    if self._take_over(lock, mine):
+                        return fd
+        except BaseException:
+            _release(fd)
+            raise
+        finally:
+            mine.unlink(missing_ok=True)
+
+    def _take_over(self, lock: Path, mine: Path) -> bool:
+        """Put ``mine`` in place of the lock found, where its run is gone; False: the lock went
+        or changed meanwhile (try again).
+
+        Raises:
+            CheckpointError: a live run holds it.
+        """
+        try:
+            found = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            held = not _flock(found)
+            if not _same_file(found, lock):
+                return False
+            holder = _pid_in(found)
+            if held or (holder is not None and holder != os.getpid() and psutil.pid_exists(holder)):
+                raise CheckpointError(f"{self.path} is being written by another run (process {holder}); give "
+                                      "this run a checkpoint directory of its own")
+            os.replace(mine, lock)  # while this process holds the one it replaces: no other can do the same
+            return True
+        finally:
+            os.close(found)
 
     def check_writable(self) -> None:
         """Fail before training rather than at the first checkpoint.
@@ -148,21 +196,69 @@ class CheckpointDir:
     def _prune(self) -> None:
         for _, path in self.steps()[: -self.keep]:
             path.unlink(missing_ok=True)
-        for stale in self.path.glob(".step-*.pt.tmp-*"):  # left by a writer that was killed
-            try:
-                writer = int(stale.name.rsplit("-", 1)[1])
-            except ValueError:
-                continue
-            if writer != os.getpid() and not psutil.pid_exists(writer):  # a live writer's file is its own
-                stale.unlink(missing_ok=True)
+        for stale in _left_by_dead(self.path, ".step-*.pt.tmp-*"):  # a live writer's file is its own
+            stale.unlink(missing_ok=True)
 
 
-def _pid_in(lock: Path) -> int | None:
-    """The process a lock file names (None: it names none, or is gone)."""
+def _pid_in(fd: int) -> int | None:
+    """The process a lock file names (None: it names none)."""
     try:
-        return int(lock.read_text().strip())
+        return int(os.pread(fd, 32, 0).decode().strip())
     except (OSError, ValueError):
         return None
+
+
+def _flock(fd: int) -> bool:
+    """Lock ``fd``'s file for this open description; False where another holds it. A file system
+    without flock() locks nothing: True (a lock is then only as exclusive as its process is alive)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return True
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open at ``fd``."""
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _release(fd: int) -> None:
+    _HELD.discard(fd)
+    os.close(fd)
+
+
+def _forget_in_child() -> None:
+    """A forked child holds no lock: its copies of the descriptors are closed (the parent's stay
+    locked), so that a child outliving a killed run does not keep the run's folder."""
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+# The lock descriptors this process holds, closed in a forked child (flock is shared across fork).
+_HELD: set[int] = set()
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _left_by_dead(folder: Path, pattern: str):
+    """The files matching ``pattern`` whose name ends in ``-<pid>`` of a process that is gone."""
+    for path in folder.glob(pattern):
+        try:
+            writer = int(path.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if writer != os.getpid() and not psutil.pid_exists(writer):
+            yield path
 
 
 def resolve(resume: str, default_dir: str | os.PathLike | None) -> Path:

@@ -45,27 +45,29 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
     if directory is not None:
         directory.check_writable()
     resume_from = files.resolve(settings.resume, where) if settings.resume else None
-    if cluster is not None and resume_from is None and where:
+    if cluster is not None and resume_from is None and where and written_by_job(files.CheckpointDir(where), cluster):
         # torchrun restarted every node, after a failure or as nodes left or joined (then without
-        # counting a restart, and a node that joins starts at 0): all go on from the last
-        # checkpoint in the (shared) directory that this torchrun job wrote.
-        latest = files.CheckpointDir(where).latest()
-        if latest is not None and (cluster.restart_count > 0 or written_by_job(latest, cluster.run_id)):
-            resume_from = Path(where)
+        # counting a restart, and a node that joins starts at 0), one node alone included: all go
+        # on from the last checkpoint in the (shared) directory, which this torchrun job wrote.
+        resume_from = Path(where)
     if directory is not None:
         _check_owned(directory, resume_from)
     return directory, resume_from
 
 
-def written_by_job(path: Path, run_id: str) -> bool:
-    """Whether the checkpoint at ``path`` was written under torchrun's job ``run_id`` (its rdzv id;
-    torchrun's default, ``none``, names no job: every job without --rdzv-id has it)."""
-    if run_id in ("", "none"):
+def written_by_job(directory: files.CheckpointDir, cluster: Cluster) -> bool:
+    """Whether the newest checkpoint of ``directory`` that loads (the one a resume takes) was
+    written under ``cluster``'s torchrun job (its rdzv id). torchrun's default id, ``none``, which
+    every job without --rdzv-id has, names a job only to a restart (TORCHELASTIC_RESTART_COUNT >
+    0): a first launch with it starts afresh."""
+    if cluster.run_id in ("", "none") and cluster.restart_count == 0:
         return False
-    try:
-        return (files.load(path).get("run") or {}).get("torchrun_run_id") == run_id
-    except CheckpointError:  # a damaged file is not this job's to resume; resume says why, passing over it
-        return False
+    for _, path in reversed(directory.steps()):
+        try:
+            return (files.load(path).get("run") or {}).get("torchrun_run_id") == cluster.run_id
+        except CheckpointError:  # damaged: resume passes over it to the one before, as here
+            continue
+    return False
 
 
 def _check_owned(directory: files.CheckpointDir, resume_from: Path | None) -> None:
@@ -144,10 +146,12 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
     if saved["step"] >= run.total_steps:
         raise ConfigError(f"{path} is at step {saved['step']}, and this run has {run.total_steps} steps: nothing "
                           "left to train; raise epochs or max_steps to go on")
-    same_streams = len(saved["rng"]) == workers and one_node
+    same_streams = streams_resume(saved, workers, one_node)
     if not same_streams:
-        log.warning("%s was written by %d workers, this run has %d: parameters and optimizer state resume "
-                    "exactly, random streams (dropout, augmentation) do not", path, len(saved["rng"]), workers)
+        then = ((saved.get("run") or {}).get("membership") or [{"nodes": 1, "workers": len(saved["rng"])}])[-1]
+        log.warning("%s was written by %d workers on %d node(s), this run has %d%s: parameters and optimizer state "
+                    "resume exactly, random streams (dropout, augmentation) do not", path, then["workers"],
+                    then["nodes"], workers, " on this node" if one_node else " per node")
     run.model.load_state_dict(saved["model"])
     log.info("resuming from %s (step %d)", path, saved["step"])
     if settings.ema_decay is not None and saved.get("ema") is None:
@@ -161,6 +165,16 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
               for rank in range(workers)]
     return Resumed(saved["step"], saved.get("ema"), shares, saved.get("callbacks") or {},
                    (saved.get("run") or {}).get("membership") or [])
+
+
+def streams_resume(saved: dict[str, Any], workers: int, one_node: bool) -> bool:
+    """Whether each of ``workers`` workers of one node goes on with its own random streams from
+    ``saved``: it holds every worker's (it was written by one node, of as many workers). A node of
+    several keeps only its own workers' streams, and an elastic job shrunk to one node would take
+    node 0's for all: those start afresh, as a resume by hand at another size would."""
+    membership = (saved.get("run") or {}).get("membership") or []
+    written_alone = not membership or int(membership[-1]["nodes"]) == 1
+    return one_node and written_alone and len(saved["rng"]) == workers
 
 
 def _compression_states(saved: dict[str, Any], settings: TrainerConfig, workers: int, path) -> list | None:

@@ -87,7 +87,7 @@ def _job_settings(cfg: RunConfig, out: Path) -> TrainerConfig:
 
 
 def _log_cluster(cluster: Cluster | None) -> None:
-    if cluster is not None:
+    if cluster is not None and cluster.spans_nodes:
         log.info("node %d of %d (rendezvous %s:%d); gloo between nodes binds to %s", cluster.node_rank,
                  cluster.nodes, cluster.master_addr, cluster.master_port,
                  f"interface {cluster.interface}" if cluster.interface else "the address of this host's name "

@@ -41,9 +41,16 @@ class Cluster:
     def is_leader(self) -> bool:
         return self.node_rank == 0
 
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether other nodes take part: a one-node job meets no one and sums in shared memory alone."""
+        return self.nodes > 1
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Cluster | None":
-        """The cluster torchrun describes in ``env``; None when not under torchrun (or one node).
+        """The cluster torchrun describes in ``env``, one node included: an elastic job shrunk to
+        one node, or a one-node job torchrun restarted, is still its job (its checkpoints are the
+        ones it resumes). None when not under torchrun.
 
         Raises:
             ClusterError: torchrun started more than one process per node.
@@ -55,8 +62,8 @@ class Cluster:
             raise ClusterError(f"torchrun started {local} processes on this node; run it with --nproc-per-node=1: "
                                "sn_trainer starts its own workers on each node (workers=...)")
         nodes = int(env["WORLD_SIZE"])
-        if nodes == 1:
-            return None
+        if nodes == 1 and "TORCHELASTIC_RUN_ID" not in env:
+            return None  # one process of another launcher: no torchrun job to go on with
         return cls(node_rank=int(env["RANK"]), nodes=nodes, master_addr=env["MASTER_ADDR"],
                    master_port=int(env["MASTER_PORT"]), run_id=env.get("TORCHELASTIC_RUN_ID", "sn_trainer"),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -84,9 +91,13 @@ class Cluster:
         died mid-meeting gets no answer, so the others read again until this round's comes. Where
         torchrun's agent hosts no store, node 0 hosts it here.
 
+        A one-node cluster has no one to meet: it is returned as it is.
+
         Raises:
             ClusterError: the nodes did not all meet within ``timeout_s``.
         """
+        if not self.spans_nodes:
+            return self
         if self.is_leader and not self.agent_store and (self.master_addr, self.master_port) not in _HOSTED:
             _HOSTED[(self.master_addr, self.master_port)] = dist.TCPStore(
                 self.master_addr, self.master_port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),

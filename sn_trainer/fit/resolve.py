@@ -130,7 +130,7 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     _check_combinations(settings, placement, train.size)
     _check_gathered(phases, findings, settings, placement, train.size)
     checkpoints, resume_from = locate(settings, cluster)
-    if cluster is not None:
+    if cluster is not None and cluster.spans_nodes:
         agree_with_other_nodes(cluster, node_facts(model, placement.workers, total_steps,
                                                    sample_order(settings, train.size), {
                                                        name: getattr(settings, name) for name in AGREED_SETTINGS},

@@ -110,8 +110,8 @@ class Session:
         initial = self.callbacks.states()  # what a restart from the initial parameters goes back to
         with graceful_stop(stop), run.checkpoints.claimed() if run.checkpoints else contextlib.nullcontext():
             while True:
-                resumed = resume(resume_from, run, run.settings, run.first_plan.workers, self.cluster is None) \
-                    if resume_from else None
+                resumed = resume(resume_from, run, run.settings, run.first_plan.workers,
+                                 not across_nodes(self.cluster)) if resume_from else None
                 plan = self._plan(resumed)
                 self.callbacks.load_states(resumed.callbacks if resumed else initial)
                 if restarts:
@@ -167,6 +167,7 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
     Returns:
         Every worker's result, the peak memory of them all, the moving average's state_dict (ema_decay).
     """
+    cluster = cluster if across_nodes(cluster) else None  # a one-node torchrun job's workers have no peers
     rendezvous = rendezvous_dir()
     shared = SharedParams(run.model, run.layout, ema=plan.settings.ema_decay is not None,
                           ema_values=resumed.ema if resumed else None)
@@ -196,6 +197,11 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
                 held.release()
         SharedParams.release(run.model)
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def across_nodes(cluster: Cluster | None) -> bool:
+    """Whether a launch has other nodes' workers to sum with (a one-node torchrun job has none)."""
+    return cluster is not None and cluster.spans_nodes
 
 
 def reducer_kinds(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, tuple[type, Any]]:
