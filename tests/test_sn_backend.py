@@ -64,8 +64,13 @@ def all_collectives(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def sn_backend(group):
+    """The "sn" backend inside ``group`` (None: the default group), which torch wraps in a ProcessGroup."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+
+
 def checks(rank: int, size: int, group, gloo_group) -> dict:
-    got: dict = {"segment": (group or dist.group.WORLD)._group.segment.shmid}
+    got: dict = {"segment": sn_backend(group)._group.segment.shmid}
     for dtype in DTYPES:
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
@@ -251,7 +256,7 @@ def across_machines(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     got = checks(rank, world, None, dist.new_group(backend="gloo"))
-    got["machines"] = len(dist.group.WORLD._collectives.members)
+    got["machines"] = len(sn_backend(None)._collectives.members)
     torch.save({world: got}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from ..errors import CollectiveFailed
 from ..shm.collectives import OPS
@@ -200,14 +201,20 @@ class _Completions:
             self._queue.put(None)
 
 
-class SnProcessGroup(dist.ProcessGroup):
-    """A process group whose collectives run through one shared-memory segment of the machine."""
+class SnBackend(C10dBackend):
+    """The backend of an "sn" process group: its collectives run through one shared-memory segment of the
+    machine.
+
+    torch wraps it in a ``ProcessGroup`` of its own, as it wraps gloo's backend: that group holds what torch
+    keeps per group (its name, for functional collectives and DeviceMesh; its device; its hooks).
+    """
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         if not SHM_SAFE:
             raise CollectiveFailed("the 'sn' backend relies on x86-64's store order; use backend='gloo' here")
         self._rank, self._size = rank, size
+        self._options = C10dBackend.Options("sn", timeout)
         # Every group made on this store gets keys of its own: the ranks make groups in the same order,
         # so each rank's own count of them names the same group in every rank.
         store = dist.PrefixStore(f"sn/{store.add(f'sn/made/{rank}', 1)}", store)
@@ -223,6 +230,11 @@ class SnProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return "sn"
+
+    @property
+    def options(self) -> C10dBackend.Options:
+        """What torch reads back from a group's backend (the base class's own would call itself)."""
+        return self._options
 
     def size(self) -> int:
         return self._size
@@ -302,13 +314,18 @@ class SnProcessGroup(dist.ProcessGroup):
         return self._submit("barrier", lambda: self._collectives.barrier(timeout), [], opts)
 
     def _op(self, opts) -> str:
-        """The name of the ``dist.ReduceOp`` in ``opts`` (SUM where none is given); another breaks the group."""
+        """The name of the ``dist.ReduceOp`` in ``opts`` (SUM where none is given). One the backend does not
+        have is refused in the call, as gloo refuses it, and breaks the group, so that every rank raises."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for known, name in _OPS.items():
             if op == known:
                 return name
-        self._group.fail(f"sn: rank {self._rank} asked for reduce op {op}, which the 'sn' backend does not "
-                         f"have; use one of {', '.join(OPS)}")
+        if op == dist.ReduceOp.PREMUL_SUM:  # what FSDP2 asks for under a gradient divide factor of its own
+            self._group.fail(f"sn: rank {self._rank} asked for ReduceOp.PREMUL_SUM, which the 'sn' backend does not "
+                             "have (nor gloo); scale the tensors and use SUM (FSDP2: call "
+                             "set_force_sum_reduction_for_comms(True) on the module)")
+        self._group.fail(f"sn: rank {self._rank} asked for reduce op {op}, which the 'sn' backend does not have; "
+                         f"use one of {', '.join(OPS)}")
 
     def _in_place(self, tensor: torch.Tensor, collective, copy_in: bool = True) -> None:
         """Run ``collective`` on ``tensor`` itself, or on a contiguous copy written back after."""
@@ -337,7 +354,7 @@ class SnProcessGroup(dist.ProcessGroup):
         self._group.close()
 
     def __repr__(self) -> str:
-        return f"SnProcessGroup(rank={self._rank}, size={self._size}, pid={os.getpid()})"
+        return f"SnBackend(rank={self._rank}, size={self._size}, pid={os.getpid()})"
 
 
 def _handed_to_gloo(name: str):
@@ -349,7 +366,7 @@ def _handed_to_gloo(name: str):
 
 
 for _name in GLOO_OPERATIONS:
-    setattr(SnProcessGroup, _name, _handed_to_gloo(_name))
+    setattr(SnBackend, _name, _handed_to_gloo(_name))
 
 
 def _timeout(opts) -> float | None:
@@ -359,6 +376,16 @@ def _timeout(opts) -> float | None:
     return seconds if seconds > 0 else None
 
 
-def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnProcessGroup:
-    """What ``torch.distributed.init_process_group(backend="sn")`` calls (registered as ``"sn"``)."""
-    return SnProcessGroup(store, rank, size, timeout)
+def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnBackend:
+    """What ``torch.distributed.init_process_group(backend="sn")`` and ``new_group(backend="sn")`` call
+    (registered as ``"sn"``); torch wraps what it returns in a ``ProcessGroup`` named by torch.
+
+    Raises:
+        CollectiveFailed: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, whose checking wrapper torch puts around
+            a backend loses a Python one's methods (and asks it for sequence numbers).
+    """
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        raise CollectiveFailed("the 'sn' backend does not run under TORCH_DISTRIBUTED_DEBUG=DETAIL; set it to INFO "
+                               "or unset it (sn itself checks that every rank calls the same collective on the "
+                               "same sizes and dtypes), or debug over backend='gloo'")
+    return SnBackend(store, rank, size, timeout)

@@ -278,8 +278,7 @@ class ShmReducer:
 
     def close(self) -> None:
         self._sums.close()
-        self._columns = self.grad_flat = None
-        self.group.close()
+        self.group.close(detach=False)  # the model's gradients view this worker's row until the worker ends
 
 
 @registered

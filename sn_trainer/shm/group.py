@@ -204,11 +204,13 @@ class Group:
                                    f"({self.reason(culprit)}); make a new group (destroy_process_group, then "
                                    "init_process_group)")
 
-    def close(self) -> None:
-        """Leave the group: peers that wait for this rank from now on see it gone."""
+    def close(self, detach: bool = True) -> None:
+        """Leave the group: peers that wait for this rank from now on see it gone. ``detach``: unmap the
+        segment too (no view of it may be used after); else it goes when this process ends."""
         if self._lines is None:
             return
         self._holder.release()
         self._lines = self._bells = self.headers = None
-        self.segment.detach()
+        if detach:
+            self.segment.detach()
 
