@@ -36,8 +36,8 @@ def record(out: str, ddp_model, **extra) -> None:
     """What this rank trained and over which group: DIR/rank<r>.pt."""
     group = ddp_model.process_group
     state = {k: v.detach().clone() for k, v in ddp_model.module.state_dict().items()}
-    # A group written in Python is the group itself; torch's own hold their backend inside.
-    implementation = group if type(group) is not dist.ProcessGroup else group._get_backend(torch.device("cpu"))
+    # torch's ProcessGroup holds the backend that runs its collectives: gloo's, or sn_trainer's.
+    implementation = group._get_backend(torch.device("cpu"))
     found = {"backend": dist.get_backend(group), "world_size": dist.get_world_size(group),
              "backend_class": type(implementation).__name__, "state": state, **extra}
     torch.save(found, Path(out) / f"rank{dist.get_rank()}.pt")

@@ -39,8 +39,8 @@ def assert_over(ranks, backend):
     """Both ranks reduced over a 2-process group of this backend and hold the same parameters."""
     for found in ranks:
         assert (found["backend"], found["world_size"]) == (backend, 2)
-        # The group's own class: sn_trainer's shared-memory group, not gloo under another name.
-        assert found["backend_class"] == {"sn": "SnProcessGroup", "gloo": "ProcessGroupGloo"}[backend]
+        # The backend inside the group: sn_trainer's shared-memory one, not gloo under another name.
+        assert found["backend_class"] == {"sn": "SnBackend", "gloo": "ProcessGroupGloo"}[backend]
     for name, value in ranks[0]["state"].items():
         assert torch.equal(ranks[1]["state"][name], value), name
 

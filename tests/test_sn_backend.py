@@ -52,6 +52,11 @@ def init(rank: int, world: int, store_path: str, timeout_s: float = 30.0) -> Non
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def sn_backend(group):
+    """The "sn" backend inside ``group`` (None: the default group), which torch wraps in a ProcessGroup."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+
+
 def run_ranks(target, world: int, tmp_path, timeout_s: float = 120.0, extra=()) -> list[int | None]:
     """Run ``target(rank, world, store_path, out_dir, *extra)`` in ``world`` spawned processes; their exit codes."""
     context = multiprocessing.get_context("spawn")
@@ -103,7 +108,7 @@ def all_collectives(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def checks(rank: int, size: int, group, gloo_group) -> dict:
-    got: dict = {"segment": (group or dist.group.WORLD)._segment.path}
+    got: dict = {"segment": sn_backend(group)._segment.path}
     for dtype in DTYPES:
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
@@ -269,7 +274,7 @@ def faults(rank: int, world: int, store: str, out_dir: str, released) -> None:
     """Tensors and collectives that differ between the ranks; then the last rank exits abruptly partway
     through one of a stream of all-reduces; then, in a group of the two others, rank 1 never comes."""
     init(rank, world, store, timeout_s=60.0)
-    outcome = {"segment": dist.group.WORLD._segment.path, "refused": []}
+    outcome = {"segment": sn_backend(None)._segment.path, "refused": []}
     calls = [lambda: dist.all_reduce(torch.ones(10 + rank)),
              lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64)),
              lambda: dist.all_reduce(torch.ones(10)) if rank else dist.broadcast(torch.ones(10), src=0),
@@ -351,7 +356,7 @@ def across_machines(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     got = checks(rank, world, None, dist.new_group(backend="gloo"))
-    got["machines"] = len(dist.group.WORLD._collectives.members)
+    got["machines"] = len(sn_backend(None)._collectives.members)
     torch.save({world: got}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

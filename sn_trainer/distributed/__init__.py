@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .group import SnProcessGroup, create_sn_group
+from .group import SnBackend, create_sn_group
 
-__all__ = ["SnProcessGroup", "register"]
+__all__ = ["SnBackend", "register"]
 
 
 def register() -> None:

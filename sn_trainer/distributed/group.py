@@ -15,6 +15,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from ..errors import CollectiveFailed
 from .collectives import Collectives, reduce_op_name
@@ -161,14 +162,19 @@ def machines_of(store, rank: int, size: int) -> list[str]:
     return [store.get(f"sn/node/{r}").decode() for r in range(size)]
 
 
-class SnProcessGroup(dist.ProcessGroup):
-    """A process group whose collectives run through one shared-memory segment of the node."""
+class SnBackend(C10dBackend):
+    """The backend of an "sn" process group: its collectives run through one shared-memory segment of the node.
+
+    torch wraps it in a ``ProcessGroup`` of its own, as it wraps gloo's backend: that group holds what
+    torch keeps per group (its name, for functional collectives and DeviceMesh; its device; its hooks).
+    """
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         if not SHM_SAFE:
             raise CollectiveFailed("the 'sn' backend relies on x86-64's store order; use backend='gloo' here")
         self._rank, self._size = rank, size
+        self._options = C10dBackend.Options("sn", timeout)
         machines = machines_of(store, rank, size)
         if len(set(machines)) == 1:
             self._collectives = Collectives(Segment(store, rank, size, timeout, SLOT_BYTES))
@@ -181,6 +187,11 @@ class SnProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return "sn"
+
+    @property
+    def options(self) -> C10dBackend.Options:
+        """What torch reads back from a group's backend (the base class's own would call itself)."""
+        return self._options
 
     def size(self) -> int:
         return self._size
@@ -267,7 +278,7 @@ class SnProcessGroup(dist.ProcessGroup):
         self._segment.close()
 
     def __repr__(self) -> str:
-        return f"SnProcessGroup(rank={self._rank}, size={self._size}, pid={os.getpid()})"
+        return f"SnBackend(rank={self._rank}, size={self._size}, pid={os.getpid()})"
 
 
 def _handed_to_gloo(name: str):
@@ -279,7 +290,7 @@ def _handed_to_gloo(name: str):
 
 
 for _name in GLOO_OPERATIONS:
-    setattr(SnProcessGroup, _name, _handed_to_gloo(_name))
+    setattr(SnBackend, _name, _handed_to_gloo(_name))
 
 
 def _in_place(tensor: torch.Tensor, collective, copy_in: bool = True) -> None:
@@ -301,6 +312,7 @@ def _check_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, size: int) 
                                "elements, one per rank")
 
 
-def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnProcessGroup:
-    """What ``torch.distributed.init_process_group(backend="sn")`` calls (registered as ``"sn"``)."""
-    return SnProcessGroup(store, rank, size, timeout)
+def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnBackend:
+    """What ``torch.distributed.init_process_group(backend="sn")`` and ``new_group(backend="sn")`` call
+    (registered as ``"sn"``); torch wraps what it returns in a ``ProcessGroup`` named by torch."""
+    return SnBackend(store, rank, size, timeout)
