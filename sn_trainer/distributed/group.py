@@ -173,6 +173,7 @@ class SnBackend(C10dBackend):
         super().__init__(rank, size)
         if not SHM_SAFE:
             raise CollectiveFailed("the 'sn' backend relies on x86-64's store order; use backend='gloo' here")
+        store = _scoped_to_this_creation(store, size)
         self._rank, self._size = rank, size
         self._options = C10dBackend.Options("sn", timeout)
         machines = machines_of(store, rank, size)
@@ -310,6 +311,19 @@ def _check_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, size: int) 
     if len(outputs) != size or any(o.numel() != tensor.numel() or o.dtype != tensor.dtype for o in outputs):
         raise CollectiveFailed(f"sn backend: all_gather needs {size} outputs of {tensor.numel()} {tensor.dtype} "
                                "elements, one per rank")
+
+
+def _scoped_to_this_creation(store, size: int):
+    """The group's store under a prefix of this creation's own.
+
+    torch gives a group the same name, hence the same store prefix, again after
+    ``destroy_process_group()`` (the default group is "0" each time), and the keys of the earlier
+    group of that name are still in the store: read as this one's, they would name a segment long
+    unlinked. Every rank adds 1 to one counter when it starts making the group; none finishes before
+    all have added (making the group waits for every rank), so the ranks of one creation agree on it.
+    """
+    joined = store.add("sn/created", 1)
+    return dist.PrefixStore(f"sn/{(joined - 1) // size}", store)
 
 
 def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnBackend:
