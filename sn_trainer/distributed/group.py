@@ -276,6 +276,7 @@ class SnBackend(C10dBackend):
         self._gloo.shutdown()
         if isinstance(self._collectives, AcrossMachines):
             self._collectives.close()
+        self._collectives = None  # its views of the segment would keep the mapping alive past close()
         self._segment.close()
 
     def __repr__(self) -> str:
