@@ -38,6 +38,9 @@ def reduce_op_name(op) -> str:
     for known, name in _OPS.items():
         if op == known:
             return name
+    if op == dist.ReduceOp.PREMUL_SUM:  # what FSDP2 asks for under a gradient divide factor of its own
+        raise CollectiveFailed("sn backend: ReduceOp.PREMUL_SUM is not supported (nor by gloo); scale the tensors "
+                               "and use SUM (FSDP2: call set_force_sum_reduction_for_comms(True) on the module)")
     raise CollectiveFailed(f"sn backend: reduce op {op} is not supported; use SUM, AVG, PRODUCT, MIN, MAX, "
                            "BAND, BOR or BXOR")
 

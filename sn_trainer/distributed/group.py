@@ -329,5 +329,14 @@ def _scoped_to_this_creation(store, size: int):
 
 def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnBackend:
     """What ``torch.distributed.init_process_group(backend="sn")`` and ``new_group(backend="sn")`` call
-    (registered as ``"sn"``); torch wraps what it returns in a ``ProcessGroup`` named by torch."""
+    (registered as ``"sn"``); torch wraps what it returns in a ``ProcessGroup`` named by torch.
+
+    Raises:
+        CollectiveFailed: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, whose checking wrapper torch puts
+            around a backend loses a Python one's methods (and asks it for sequence numbers).
+    """
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        raise CollectiveFailed("the 'sn' backend does not run under TORCH_DISTRIBUTED_DEBUG=DETAIL; set it to INFO "
+                               "or unset it (sn itself checks that every rank calls the same collective on the "
+                               "same sizes and dtypes), or debug over backend='gloo'")
     return SnBackend(store, rank, size, timeout)
