@@ -155,8 +155,15 @@ def plain_steps(data_ranks) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def refusals(line) -> list[str]:
-    """PREMUL_SUM, asked for directly and by FSDP2 under a gradient divide factor of its own (float32)."""
+def plain_gradients() -> list[torch.Tensor]:
+    model = fsdp_model(torch.float32)
+    model(torch.ones(2, 4)).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def refusals(line) -> tuple[list[str], list[torch.Tensor]]:
+    """PREMUL_SUM, asked for directly and by FSDP2 under a gradient divide factor of its own (float32);
+    then the gradients with the refusal's advice taken (SUM, divided after)."""
     from torch.distributed.fsdp import fully_shard
 
     refused = []
@@ -164,14 +171,16 @@ def refusals(line) -> list[str]:
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PREMUL_SUM(0.5))
     except Exception as error:
         refused.append(f"{type(error).__name__}: {error}")
-    model = fsdp_model(torch.float32)
-    fully_shard(model, mesh=line)
-    model.set_gradient_divide_factor(3.0)
-    try:
-        model(torch.ones(2, 4)).sum().backward()
-    except Exception as error:
-        refused.append(f"{type(error).__name__}: {error}")
-    return refused
+    for advised in (False, True):
+        model = fsdp_model(torch.float32)
+        fully_shard(model, mesh=line)
+        model.set_gradient_divide_factor(3.0)
+        model.set_force_sum_reduction_for_comms(advised)
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+        except Exception as error:
+            refused.append(f"{type(error).__name__}: {error}")
+    return refused, [p.grad.full_tensor() for p in model.parameters()]
 
 
 def again(rank: int, world: int, backend: str) -> dict:
@@ -252,13 +261,16 @@ def test_subgroups_funcol_device_mesh_dtensor_and_fsdp2_over_sn_as_over_gloo(tmp
             for ours, theirs in zip(sn[rank][key], reference):
                 torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
-        refused = sn[rank]["refused"]
+        refused, advised = sn[rank]["refused"]
         assert len(refused) == 2 and all(r == refused[0] for r in refused), refused
         assert refused[0] == ("CollectiveFailed: sn backend: ReduceOp.PREMUL_SUM is not supported (nor by gloo); "
                               "scale the tensors and use SUM (FSDP2: call set_force_sum_reduction_for_comms(True) "
                               "on the module)")
-        assert [r.startswith("RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo") for r in gloo[rank]["refused"]
+        assert [r.startswith("RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo") for r in gloo[rank]["refused"][0]
                 ] == [True, True]
+        # Every rank's batch the same: the sum is W times one rank's gradient (float32: a few roundings).
+        for ours, one in zip(advised, plain_gradients()):
+            torch.testing.assert_close(ours, one * WORLD / 3.0, rtol=1e-6, atol=1e-7)
 
         again = ranks[rank]["sn again"]
         assert again["name"] == sn[rank]["world name"]  # the same name, hence the same store prefix, as before
