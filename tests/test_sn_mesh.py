@@ -230,13 +230,9 @@ def test_subgroups_funcol_device_mesh_dtensor_and_fsdp2_over_sn_as_over_gloo(tmp
     assert codes == [0] * WORLD, [p.read_text() for p in tmp_path.glob("error*.txt")]
     ranks = results(tmp_path, WORLD)
     sn, gloo = [r["sn"] for r in ranks], [r["gloo"] for r in ranks]
+    check_names(sn)
+    check_names(gloo)
     plain = {"line": plain_steps(range(WORLD)), "pairs": [plain_steps([0, 1]), plain_steps([2, 3])]}
-    for got in (sn, gloo):
-        names = [got[0]["world name"], got[0]["low"]["name"], got[3]["high"]["name"], got[0]["inherited"][1]]
-        assert len(set(names)) == 4  # each group its own name, the same on every rank
-        assert all([r["world name"], r["inherited"][1]] == [names[0], names[3]] for r in got)
-        assert all(r[k]["name"] == names[1 + (k == "high")] for r in got for k in ("low", "high") if k in r)
-
     for rank in range(WORLD):
         check_subgroups(sn[rank], rank, "sn")
         check_subgroups(gloo[rank], rank, "gloo")
@@ -247,39 +243,55 @@ def test_subgroups_funcol_device_mesh_dtensor_and_fsdp2_over_sn_as_over_gloo(tmp
         assert gloo[rank]["mesh backends"] == [("gloo", "ProcessGroupGloo")] * 3
         check_functional(sn[rank], rank)
         check_dtensors(sn[rank], rank)
-        # Every result over "sn" bitwise equal to gloo's, but FSDP2 over all 4 ranks (below).
-        for key in ("funcol all_reduce", "funcol all_gather", "funcol reduce_scatter", "dtensor local",
-                    "dtensor redistributed", "dtensor full", "dtensor partial", "hsdp square", "fsdp pair",
-                    "fsdp pair float32"):
-            assert_same(sn[rank][key], gloo[rank][key], (rank, key))
-        for ours, theirs in zip(sn[rank]["fsdp line"], gloo[rank]["fsdp line"]):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
-        for key in ("fsdp line", "hsdp square", "fsdp pair"):
-            assert_same(sn[rank][key], sn[0 if key != "fsdp pair" else rank // 2 * 2][key], (rank, key))
-        for key, reference in (("fsdp line", plain["line"]), ("hsdp square", plain["line"]),
-                               ("fsdp pair", plain["pairs"][rank // 2])):
-            for ours, theirs in zip(sn[rank][key], reference):
-                torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+        check_training(sn, gloo, rank, plain)
+        check_refusals(sn[rank]["refused"], gloo[rank]["refused"])
+        check_again(ranks[rank]["sn again"], sn[rank])
 
-        refused, advised = sn[rank]["refused"]
-        assert len(refused) == 2 and all(r == refused[0] for r in refused), refused
-        assert refused[0] == ("CollectiveFailed: sn backend: ReduceOp.PREMUL_SUM is not supported (nor by gloo); "
-                              "scale the tensors and use SUM (FSDP2: call set_force_sum_reduction_for_comms(True) "
-                              "on the module)")
-        assert [r.startswith("RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo") for r in gloo[rank]["refused"][0]
-                ] == [True, True]
-        # Every rank's batch the same: the sum is W times one rank's gradient (float32: a few roundings).
-        for ours, one in zip(advised, plain_gradients()):
-            torch.testing.assert_close(ours, one * WORLD / 3.0, rtol=1e-6, atol=1e-7)
 
-        again = ranks[rank]["sn again"]
-        assert again["name"] == sn[rank]["world name"]  # the same name, hence the same store prefix, as before
-        assert again["sum"].tolist() == [10.0, 10.0] and again["dtensor"].tolist() == list(range(8))
-        assert again["detail refused"] == (
-            "CollectiveFailed: the 'sn' backend does not run under TORCH_DISTRIBUTED_DEBUG=DETAIL; set it to INFO or "
-            "unset it (sn itself checks that every rank calls the same collective on the same sizes and dtypes), or "
-            "debug over backend='gloo'")
-        assert again["after"] == WORLD
+def check_names(ranks: list[dict]) -> None:
+    """Each group its own name, the same on every rank."""
+    names = [ranks[0]["world name"], ranks[0]["low"]["name"], ranks[3]["high"]["name"], ranks[0]["inherited"][1]]
+    assert len(set(names)) == 4
+    assert all([r["world name"], r["inherited"][1]] == [names[0], names[3]] for r in ranks)
+    assert all(r[k]["name"] == names[1 + (k == "high")] for r in ranks for k in ("low", "high") if k in r)
+
+
+def check_training(sn: list[dict], gloo: list[dict], rank: int, plain: dict) -> None:
+    """Every result over "sn" bitwise equal to gloo's (each sum there has two terms, and a + b == b + a),
+    but FSDP2 over all 4 ranks: 1e-12 (the backends add the 4 ranks' gradients in different orders)."""
+    for key in ("funcol all_reduce", "funcol all_gather", "funcol reduce_scatter", "dtensor local",
+                "dtensor redistributed", "dtensor full", "dtensor partial", "hsdp square", "fsdp pair",
+                "fsdp pair float32"):
+        assert_same(sn[rank][key], gloo[rank][key], (rank, key))
+    for ours, theirs in zip(sn[rank]["fsdp line"], gloo[rank]["fsdp line"]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    for key in ("fsdp line", "hsdp square", "fsdp pair"):
+        assert_same(sn[rank][key], sn[0 if key != "fsdp pair" else rank // 2 * 2][key], (rank, key))
+    for key, reference in (("fsdp line", plain["line"]), ("hsdp square", plain["line"]),
+                           ("fsdp pair", plain["pairs"][rank // 2])):
+        for ours, theirs in zip(sn[rank][key], reference):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def check_refusals(sn: tuple[list[str], list[torch.Tensor]], gloo: tuple[list[str], list[torch.Tensor]]) -> None:
+    refused, advised = sn
+    assert refused == 2 * [("CollectiveFailed: sn backend: ReduceOp.PREMUL_SUM is not supported (nor by gloo); "
+                            "scale the tensors and use SUM (FSDP2: call set_force_sum_reduction_for_comms(True) "
+                            "on the module)")]
+    assert [r.startswith("RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo") for r in gloo[0]] == [True, True]
+    # Every rank's batch the same: the sum is W times one rank's gradient (float32: a few roundings).
+    for ours, one in zip(advised, plain_gradients()):
+        torch.testing.assert_close(ours, one * WORLD / 3.0, rtol=1e-6, atol=1e-7)
+
+
+def check_again(again: dict, before: dict) -> None:
+    assert again["name"] == before["world name"]  # the same name, hence the same store prefix, as before
+    assert again["sum"].tolist() == [10.0, 10.0] and again["dtensor"].tolist() == list(range(8))
+    assert again["detail refused"] == (
+        "CollectiveFailed: the 'sn' backend does not run under TORCH_DISTRIBUTED_DEBUG=DETAIL; set it to INFO or "
+        "unset it (sn itself checks that every rank calls the same collective on the same sizes and dtypes), or "
+        "debug over backend='gloo'")
+    assert again["after"] == WORLD
 
 
 def check_subgroups(got: dict, rank: int, backend: str) -> None:
