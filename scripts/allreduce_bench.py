@@ -1,9 +1,17 @@
-"""All-reduce latency and bandwidth, the "sn" backend against gloo, side by side in one run.
+"""All-reduce latency and bandwidth, the "sn" backend against gloo and against the memory's speed, side by
+side in one run.
 
     python scripts/allreduce_bench.py [--procs 2] [--out results/<host>/allreduce.md]
 
-The same processes time both: the default group is "sn", a second group over the same ranks is gloo,
-and each size is timed on one then the other, so that both see the same machine at the same moment.
+The same processes time all three: the default group is "sn", a second group over the same ranks is
+gloo, and each size is timed on one, then the other, then as a plain memory copy of the same bytes in
+every rank at once, so that all see the same machine at the same moment.
+
+The bound: whatever its algorithm, an all-reduce must at least read each rank's input and write each
+rank's result, which is what a copy of the tensor does; with every rank copying at once, as every rank
+all-reduces at once, the copy's time is a lower bound of the all-reduce's (a generous one: the ranks'
+data must also cross between their cores). "of bound" is that copy's time over the all-reduce's.
+
 Each rank runs torch with cores / procs intra-op threads. The report names the CPU, the cores, torch's
 version, and how much CPU time other processes took while it ran (a busy machine is said to be one).
 """
@@ -51,7 +59,28 @@ def time_all_reduce(tensor: torch.Tensor, group) -> tuple[float, float]:
     return _slowest(statistics.median(samples), group), _slowest(min(samples), group)
 
 
-def bench_rank(rank: int, procs: int, store: str, out: str) -> None:
+def time_copy(tensor: torch.Tensor, group) -> tuple[float, float]:
+    """Median and fastest seconds of copying ``tensor`` into another tensor, every rank at once (timed
+    between barriers, like the all-reduces; the slowest rank's figures)."""
+    target = torch.empty_like(tensor)
+    target.copy_(tensor)
+    first = _slowest(_once(target, tensor), group)  # the same count of copies in every rank
+    samples = []
+    for _ in range(max(5, min(200, int(SECONDS_PER_CASE / 4 / max(1e-6, first))))):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        target.copy_(tensor)
+        samples.append(time.perf_counter() - start)
+    return _slowest(statistics.median(samples), group), _slowest(min(samples), group)
+
+
+def _once(target: torch.Tensor, tensor: torch.Tensor) -> float:
+    start = time.perf_counter()
+    target.copy_(tensor)
+    return time.perf_counter() - start
+
+
+def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import sn_trainer.distributed  # noqa: F401  (registers "sn")
 
@@ -60,11 +89,12 @@ def bench_rank(rank: int, procs: int, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     gloo = dist.new_group(backend="gloo")
     rows = []
-    for size in SIZES:
+    for size in sizes:
         tensor = torch.ones(size // 4)
-        rows.append((size, time_all_reduce(tensor, None), time_all_reduce(tensor, gloo)))
+        rows.append((size, time_all_reduce(tensor, None), time_all_reduce(tensor, gloo), time_copy(tensor, gloo)))
+    native = dist.group.WORLD._get_backend(torch.device("cpu"))._group.native is not None
     if rank == 0:
-        torch.save(rows, out)
+        torch.save((rows, native), out)
     dist.destroy_process_group()
 
 
@@ -92,25 +122,28 @@ def own_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def report(rows, procs: int, seconds: float, others: float) -> str:
+def report(rows, native: bool, procs: int, seconds: float, others: float) -> str:
     lines = [f"# All-reduce: \"sn\" against gloo, {procs} processes, float32 SUM", "",
              f"- CPU: {cpu_model()}; {len(os.sched_getaffinity(0))} cores usable ({os.cpu_count()} online)",
              f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}",
+             f"- sn's collectives: {'the C core' if native else 'the Python path (no C core built)'}",
              f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); median of timed "
              "all-reduces between barriers, the slowest rank's",
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
              f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
              f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
              "with `python scripts/allreduce_bench.py" + (f" --procs {procs}" if procs != 2 else "") + "`", "",
-             "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up "
-             "| sn fastest | gloo fastest | speed-up, fastest |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for size, (sn, sn_min), (gloo, gloo_min) in rows:
+             "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up | copy (bound) "
+             "| sn of bound | sn fastest | gloo fastest | copy fastest | speed-up, fastest |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, (sn, sn_min), (gloo, gloo_min), (copy, copy_min) in rows:
         lines.append(f"| {_size(size)} | {_seconds(sn)} | {size / sn / 1e9:.2f} GB/s | {_seconds(gloo)} | "
-                     f"{size / gloo / 1e9:.2f} GB/s | {gloo / sn:.1f}x | {_seconds(sn_min)} | {_seconds(gloo_min)} "
+                     f"{size / gloo / 1e9:.2f} GB/s | {gloo / sn:.1f}x | {_seconds(copy)} ({size / copy / 1e9:.1f} GB/s) "
+                     f"| {copy / sn:.2f} | {_seconds(sn_min)} | {_seconds(gloo_min)} | {_seconds(copy_min)} "
                      f"| {gloo_min / sn_min:.1f}x |")
     lines += ["", "Bandwidth is the tensor's bytes over the median all-reduce's time (what each rank gets per "
-              "second); the speed-up is gloo's time over sn's."]
+              "second); the speed-up is gloo's time over sn's. The copy is every rank copying the tensor at once "
+              "(the bound, see the script's docstring); \"sn of bound\" is the copy's median time over sn's."]
     return "\n".join(lines) + "\n"
 
 
@@ -125,15 +158,18 @@ def _seconds(seconds: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", type=int, default=2, help="processes (ranks) on this machine")
-    parser.add_argument("--out", default="results/amd-epyc-avx2-2c/allreduce.md", help="the markdown report")
+    parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=SIZES,
+                        help="bytes per all-reduce, comma-separated (default: 4 KB to 64 MB)")
+    parser.add_argument("--out", required=True, help="the markdown report, e.g. results/<host>/allreduce.md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
         started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
-        mp.spawn(bench_rank, args=(args.procs, store, rows_file), nprocs=args.procs)
+        mp.spawn(bench_rank, args=(args.procs, store, rows_file, args.sizes), nprocs=args.procs)
         seconds = time.monotonic() - started
         others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
-        text = report(torch.load(rows_file), args.procs, seconds, others)
+        rows, native = torch.load(rows_file)
+        text = report(rows, native, args.procs, seconds, others)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)

@@ -70,7 +70,8 @@ def sn_backend(group):
 
 
 def checks(rank: int, size: int, group, gloo_group) -> dict:
-    got: dict = {"segment": sn_backend(group)._group.segment.shmid}
+    backend = sn_backend(group)
+    got: dict = {"segment": backend._group.segment.shmid, "native": backend._group.native is not None}
     for dtype in DTYPES:
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
@@ -215,7 +216,10 @@ def check_odd_shapes(ranks: list[dict], world: int) -> None:
         "sn backend: send is not implemented in shared memory; gloo on the same store runs it"]
 
 
-def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(tmp_path):
+@pytest.mark.parametrize("path", ["C core", "Python path"])
+def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_trains_as_over_gloo(tmp_path, path,
+                                                                                                monkeypatch):
+    monkeypatch.setenv("SN_TRAINER_NATIVE", "1" if path == "C core" else "0")  # the spawned ranks inherit it
     codes = run_ranks(all_collectives, 3, tmp_path)
     assert codes == [0, 0, 0]
     saved = saved_results(tmp_path, 3)
@@ -234,6 +238,7 @@ def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_train
                 assert (sn - gloo).abs().max().item() < 1e-12
                 assert (sn - reference).abs().max().item() < 1e-12
         assert ranks[0]["segment"] not in segment_ids()  # gone with the processes that had it attached
+        assert [r["native"] for r in ranks] == [path == "C core"] * size
 
 
 def on_another_machine(host: str) -> None:

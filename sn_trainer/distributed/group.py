@@ -38,31 +38,37 @@ GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "gather_single", 
 _OPS = {getattr(dist.ReduceOp, name): name for name in OPS}
 
 
+_FINISHED = threading.Event()  # the done event of every work run in its caller's thread
+_FINISHED.set()
+
+
 class PendingWork(dist.Work):
     """A collective: done when it has run. Its future (what DDP's buckets and communication hooks chain
     on) holds its tensors, or, when it failed, the error, as a C++ future DDP reads (torch's Python
     ``Future.set_exception`` would hand DDP a "result" holding no tensors)."""
 
-    def __init__(self, tensors: list[torch.Tensor], kind: str, group: Group):
+    _futures = threading.Lock()  # guards each work's future against its completion (rarely contended)
+
+    def __init__(self, tensors: list[torch.Tensor], kind: str, group: Group, inline: bool = False):
         super().__init__()
         self._tensors, self._kind, self._group = tensors, kind, group
-        self._done = threading.Event()
+        self._done = _FINISHED if inline else threading.Event()  # inline: run before anyone can wait
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
         self._outcome: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
         self._completed = False
 
     def finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._done.set()
+        if self._done is not _FINISHED:
+            self._done.set()
 
     def has_future(self) -> bool:
         return self._outcome is not None
 
     def complete_future(self) -> None:
         """Complete the future once both it exists and the collective is done (either side may be last)."""
-        with self._lock:
+        with self._futures:
             if self._outcome is None or not self._done.is_set() or self._completed:
                 return
             self._completed = True
@@ -74,7 +80,7 @@ class PendingWork(dist.Work):
         return self._tensors
 
     def get_future(self) -> torch.futures.Future:
-        with self._lock:
+        with self._futures:
             if self._future is None:
                 self._outcome = torch.futures.Future()
                 self._future = self._outcome.then(self._tensors_or_error)
@@ -131,27 +137,28 @@ class _Channel:
         self._pending = 0  # collectives submitted and not finished
         self._thread: threading.Thread | None = None
 
-    def submit(self, run, work: PendingWork, inline: bool) -> PendingWork:
+    def submit(self, run, tensors: list[torch.Tensor], kind: str, group: Group, inline: bool) -> PendingWork:
+        """The work of a collective ``run`` that runs now in this thread (``inline``, where nothing is
+        queued before it) or on the channel's thread."""
         with self._lock:
             inline = inline and self._pending == 0
             self._pending += 1
+            work = PendingWork(tensors, kind, group, inline)
             if not inline:
                 self._queue.put((run, work))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._serve, name="sn-collectives", daemon=True)
                     self._thread.start()
-        if inline:
-            self._execute(run, work)
+        if inline:  # nobody holds the work yet: no future to complete
+            with self._running:
+                work.finish(_outcome(run))
+            with self._lock:
+                self._pending -= 1
         return work
 
     def _execute(self, run, work: PendingWork) -> None:
         with self._running:
-            try:
-                run()
-            except BaseException as error:  # handed to whoever waits for this collective
-                work.finish(error)
-            else:
-                work.finish(None)
+            work.finish(_outcome(run))
         with self._lock:
             self._pending -= 1
         if work.has_future():
@@ -166,6 +173,15 @@ class _Channel:
             self._queue.put(None)
             self._thread.join()
         self._completions.close()
+
+
+def _outcome(run) -> BaseException | None:
+    """Run a collective: None, or the error to hand whoever waits for it."""
+    try:
+        run()
+    except BaseException as error:  # noqa: BLE001 - raised to the waiter, in its thread
+        return error
+    return None
 
 
 class _Completions:
@@ -244,10 +260,9 @@ class SnBackend(C10dBackend):
 
     def _submit(self, kind: str, run, tensors: list[torch.Tensor], opts) -> PendingWork:
         """``run`` on the group's channel; in the caller's thread if it is synchronous, small and first."""
-        work = PendingWork(tensors, kind, self._group)
         inline = (opts is not None and not getattr(opts, "asyncOp", True)
                   and sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES)
-        return self._channel.submit(run, work, inline)
+        return self._channel.submit(run, tensors, kind, self._group, inline)
 
     def allreduce(self, tensors, opts=None):
         op, timeout = self._op(opts), _timeout(opts)

@@ -26,6 +26,10 @@ KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 # Every dtype torch has, numbered the same way in every rank of one torch: what the headers compare.
 DTYPES = sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
+HEADER_DTYPES = {dtype: code for code, dtype in enumerate(DTYPES)}
+_ALL_REDUCE, _BROADCAST, _ALL_GATHER, _REDUCE_SCATTER, _BARRIER = range(1, len(KINDS) + 1)  # KINDS' codes
+_SUMS = ("SUM", "AVG")
+_MISMATCH = "sn: the ranks called"  # how a mismatch's reason begins
 REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
              torch.int32, torch.int64, torch.bool)
 NATIVE_FLOATS = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}  # native.c's codes
@@ -77,21 +81,24 @@ class Collectives:
         layout = group.layout
         self._slots = group.segment.bytes(layout.data_offset, 2 * group.world * slot_bytes).view(
             2, group.world, slot_bytes)
-        self._ops = 0  # collectives so far: the header set they use
 
     # --- the per-collective header ---------------------------------------------------------------
 
-    def _begin(self, kind: str, dtype: torch.dtype, numel: int, extra: int = 0, problem: str | None = None) -> int:
-        """Check the group and the arguments, then write what this rank is about to do; the first
-        barrier's ``_check`` compares it. Returns the header set's index."""
+    def _begin(self, kind: str, dtype: torch.dtype, numel: int, extra: int = 0) -> int:
+        """Write what this rank is about to do (the Python path; the C core writes its own); the first
+        barrier compares it. Returns the header set's index."""
         self.group.ensure_usable(kind)
+        state = self.group.state
+        index = state.ops
+        state.ops += 1
+        self.group.headers[index % 2, self.rank, :6] = (
+            index + 1, KINDS.index(kind) + 1, HEADER_DTYPES[dtype], numel, numel * dtype.itemsize, extra)
+        return index
+
+    def _refuse(self, kind: str, problem: str | None) -> None:
+        """A bad argument breaks the group, so that every rank raises."""
         if problem is not None:
             self.group.fail(f"sn: rank {self.rank} called {kind} with a bad argument: {problem}")
-        index = self._ops
-        self._ops += 1
-        self.group.headers[index % 2, self.rank, :6] = (
-            index + 1, KINDS.index(kind) + 1, DTYPES.index(dtype), numel, numel * dtype.itemsize, extra)
-        return index
 
     def _check(self, kind: str, index: int) -> None:
         """Fail if a rank that wrote this collective's header wrote another than this rank's."""
@@ -101,17 +108,22 @@ class Collectives:
             return
         described = "; ".join(f"rank {r}{' (this one)' if r == self.rank else ''}: {_describe(row)}"
                               for r, row in enumerate(rows.tolist()) if written[r])
-        self.group.fail(f"sn: the ranks called {kind} differently ({described}); every rank must call the same "
+        self.group.fail(f"{_MISMATCH} {kind} differently ({described}); every rank must call the same "
                         "collectives in the same order, with the same op, root, dtype and size")
 
     def _done(self, status: int, kind: str, index: int | None) -> None:
         """Raise what a barrier's status says went wrong; after a collective's first barrier (``index``
         given) ranks that called different collectives are named as such, from this rank's side, also
         when a peer found it first and broke the group."""
-        if index is not None:
-            if status in (OK, MISMATCH, BROKEN):  # BROKEN: among the ranks that got as far as this one
-                self._check(kind, index)
+        mismatch_found = status == BROKEN and self.group.reason(self.group.state.culprit).startswith(_MISMATCH)
+        if index is not None and (status in (OK, MISMATCH) or mismatch_found):
+            self._check(kind, index)
         self.group.check(status, kind)
+
+    def _native_done(self, status: int, kind: str) -> None:
+        """Raise what a C collective's status says went wrong (it wrote its header: the latest one)."""
+        if status:
+            self._done(status, kind, self.group.state.ops - 1)
 
     def _barrier(self, kind: str, deadline: int, index: int | None = None) -> None:
         self._done(self.group.arrive_and_wait(deadline), kind, index)
@@ -144,20 +156,23 @@ class Collectives:
         reads little: at two ranks, or for small chunks. Otherwise each rank combines its own part of the
         chunk and all read the parts (a second barrier, but each rank reads each value once).
         """
+        dtype, lib = tensor.dtype, self.group.native
+        code = NATIVE_FLOATS.get(dtype) if lib is not None and op in _SUMS else None
+        if code is not None:  # the C core writes and compares the headers, and sees a broken group itself
+            self._native_done(lib.sn_all_reduce(
+                self.group.pointer, tensor.data_ptr(), tensor.numel(), code, op == "AVG", WHOLE_CHUNK_BYTES,
+                _ALL_REDUCE, HEADER_DTYPES[dtype], OPS.index(op), self.group.deadline(timeout_s)), "all_reduce")
+            return
+        self._refuse("all_reduce", reduce_problem(dtype, op))
         flat = tensor.view(-1)
-        index = self._begin("all_reduce", tensor.dtype, flat.numel(), OPS.index(op), reduce_problem(tensor.dtype, op))
+        index = self._begin("all_reduce", dtype, flat.numel(), OPS.index(op))
         deadline = self.group.deadline(timeout_s)
-        lib = self.group.native
-        if lib is not None and op in ("SUM", "AVG") and tensor.dtype in NATIVE_FLOATS:
-            status = lib.sn_all_reduce(self.group._state, flat.data_ptr(), flat.numel(), NATIVE_FLOATS[tensor.dtype],
-                                       op == "AVG", WHOLE_CHUNK_BYTES, index, deadline)
-            return self._done(status, "all_reduce", index)
-        chunk = self._chunk_elements(tensor.dtype)
+        chunk = self._chunk_elements(dtype)
         for start in range(0, max(flat.numel(), 1), chunk):
             piece = flat[start : start + chunk]
             n = piece.numel()
-            slots = self._post("all_reduce", piece, tensor.dtype, index, start == 0, deadline)
-            if self.world_size <= 2 or n * tensor.dtype.itemsize * self.world_size <= WHOLE_CHUNK_BYTES:
+            slots = self._post("all_reduce", piece, dtype, index, start == 0, deadline)
+            if self.world_size <= 2 or n * dtype.itemsize * self.world_size <= WHOLE_CHUNK_BYTES:
                 combine(slots[:, :n], piece, op)
                 continue
             lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
@@ -167,14 +182,17 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> None:
         """``tensor`` of rank ``root`` into every rank's ``tensor``."""
-        problem = None if 0 <= root < self.world_size else f"root {root} is not a rank of this group of {self.world_size}"
-        index = self._begin("broadcast", tensor.dtype, tensor.numel(), root, problem)
-        deadline = self.group.deadline(timeout_s)
+        self._refuse("broadcast", None if 0 <= root < self.world_size else
+                     f"root {root} is not a rank of this group of {self.world_size}")
         flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(-1)
-        if self.group.native is not None:
-            status = self.group.native.sn_broadcast(self.group._state, flat.data_ptr(), flat.numel(), root, index,
-                                                    deadline)
-            return self._done(status, "broadcast", index)
+        lib = self.group.native
+        if lib is not None:
+            self._native_done(lib.sn_broadcast(self.group.pointer, flat.data_ptr(), flat.numel(), root, _BROADCAST,
+                                               HEADER_DTYPES[tensor.dtype], tensor.numel(),
+                                               self.group.deadline(timeout_s)), "broadcast")
+            return
+        index = self._begin("broadcast", tensor.dtype, tensor.numel(), root)
+        deadline = self.group.deadline(timeout_s)
         chunk = self.slot_bytes * self.world_size
         for start in range(0, max(flat.numel(), 1), chunk):
             piece = flat[start : start + chunk]
@@ -187,18 +205,19 @@ class Collectives:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
         """Every rank's ``tensor`` into ``output`` (``world * tensor.numel()`` elements, in rank order)."""
-        problem = None
         if output.numel() != tensor.numel() * self.world_size or output.dtype != tensor.dtype:
-            problem = (f"all_gather needs an output of {self.world_size} x {tensor.numel()} {tensor.dtype}, got "
-                       f"{output.numel()} {output.dtype}")
-        index = self._begin("all_gather", tensor.dtype, tensor.numel(), 0, problem)
-        deadline = self.group.deadline(timeout_s)
+            self._refuse("all_gather", f"all_gather needs an output of {self.world_size} x {tensor.numel()} "
+                                       f"{tensor.dtype}, got {output.numel()} {output.dtype}")
         flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(-1)
         out = output.view(-1).view(torch.uint8) if output.numel() else output.view(-1)
-        if self.group.native is not None:
-            status = self.group.native.sn_all_gather(self.group._state, flat.data_ptr(), out.data_ptr(),
-                                                     flat.numel(), index, deadline)
-            return self._done(status, "all_gather", index)
+        lib = self.group.native
+        if lib is not None:
+            self._native_done(lib.sn_all_gather(self.group.pointer, flat.data_ptr(), out.data_ptr(), flat.numel(),
+                                                _ALL_GATHER, HEADER_DTYPES[tensor.dtype], tensor.numel(),
+                                                self.group.deadline(timeout_s)), "all_gather")
+            return
+        index = self._begin("all_gather", tensor.dtype, tensor.numel())
+        deadline = self.group.deadline(timeout_s)
         rows = out.view(self.world_size, -1)
         for start in range(0, max(flat.numel(), 1), self.slot_bytes):
             piece = flat[start : start + self.slot_bytes]
@@ -209,28 +228,36 @@ class Collectives:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: str,
                        timeout_s: float | None = None) -> None:
         """Part ``rank`` of the combination of every rank's ``tensor`` (``W * output.numel()``) into ``output``."""
-        problem = reduce_problem(tensor.dtype, op)
-        if tensor.numel() != output.numel() * self.world_size or output.dtype != tensor.dtype:
-            problem = (f"reduce_scatter needs an input of {self.world_size} x {output.numel()} {output.dtype}, got "
-                       f"{tensor.numel()} {tensor.dtype}")
-        size, world = output.numel(), self.world_size
-        index = self._begin("reduce_scatter", tensor.dtype, size, OPS.index(op), problem)
-        deadline = self.group.deadline(timeout_s)
+        dtype, size, world = tensor.dtype, output.numel(), self.world_size
+        problem = reduce_problem(dtype, op)
+        if tensor.numel() != size * world or output.dtype != dtype:
+            problem = (f"reduce_scatter needs an input of {world} x {size} {output.dtype}, got {tensor.numel()} "
+                       f"{dtype}")
+        self._refuse("reduce_scatter", problem)
         lib = self.group.native
-        if lib is not None and op in ("SUM", "AVG") and tensor.dtype in NATIVE_FLOATS:
-            status = lib.sn_reduce_scatter(self.group._state, tensor.data_ptr(), output.data_ptr(), size,
-                                           NATIVE_FLOATS[tensor.dtype], op == "AVG", index, deadline)
-            return self._done(status, "reduce_scatter", index)
+        code = NATIVE_FLOATS.get(dtype) if lib is not None and op in _SUMS else None
+        if code is not None:
+            self._native_done(lib.sn_reduce_scatter(
+                self.group.pointer, tensor.data_ptr(), output.data_ptr(), size, code, op == "AVG", _REDUCE_SCATTER,
+                HEADER_DTYPES[dtype], OPS.index(op), self.group.deadline(timeout_s)), "reduce_scatter")
+            return
+        index = self._begin("reduce_scatter", dtype, size, OPS.index(op))
+        deadline = self.group.deadline(timeout_s)
         parts, out = tensor.view(world, size), output.view(-1)
-        chunk = self._chunk_elements(tensor.dtype, world)
+        chunk = self._chunk_elements(dtype, world)
         for start in range(0, max(size, 1), chunk):
             n = min(chunk, size - start)
-            slots = self._next_slots(tensor.dtype)
+            slots = self._next_slots(dtype)
             slots[self.rank, : world * n].view(world, n).copy_(parts[:, start : start + n])
             self._barrier("reduce_scatter", deadline, index if start == 0 else None)
             combine(slots[:, self.rank * n : (self.rank + 1) * n], out[start : start + n], op)
 
     def barrier(self, timeout_s: float | None = None) -> None:
+        lib = self.group.native
+        if lib is not None:
+            self._native_done(lib.sn_collective_barrier(self.group.pointer, _BARRIER, HEADER_DTYPES[torch.uint8],
+                                                        self.group.deadline(timeout_s)), "barrier")
+            return
         index = self._begin("barrier", torch.uint8, 0)
         self._barrier("barrier", self.group.deadline(timeout_s), index)
 

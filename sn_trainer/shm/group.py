@@ -54,7 +54,7 @@ class Group:
                                  slots=base + layout.data_offset, slot_bytes=slot_bytes, line_bytes=LINE_BYTES,
                                  mutex_bytes=MUTEX_BYTES, header_words=HEADER_WORDS, spins=SPINS,
                                  yield_ns=int(YIELD_S * 1e9), world=world, rank=rank)
-        self._state = ctypes.pointer(self.state)
+        self.pointer = ctypes.pointer(self.state)  # what the C core's functions take
         liveness.init(self._mutex(rank))
         self._holder = liveness.Holder(self._mutex(rank))
         self._lines[rank, _PID] = os.getpid()
@@ -90,7 +90,7 @@ class Group:
         """The barrier, returning its status (``check`` raises what it says)."""
         deadline = self.deadline() if deadline is None else deadline
         if native_path and self._lib is not None:
-            return self._lib.sn_barrier(self._state, deadline)
+            return self._lib.sn_barrier(self.pointer, deadline)
         return self._arrive() or self._wait(deadline)
 
     def _arrive(self) -> int:
@@ -144,10 +144,9 @@ class Group:
             return
         culprit = self.state.culprit
         if status == BROKEN:
-            reason = self.reason(culprit)
-            if culprit == self.rank:
-                raise CollectiveFailed(reason or f"sn: rank {self.rank}'s group is broken")
-            self.fail(f"sn: rank {self.rank} stops in {what}: rank {culprit} broke the group ({reason})")
+            if culprit == self.rank:  # earlier, or from another thread: the group was broken already
+                self.ensure_usable(what)
+            self.fail(f"sn: rank {self.rank} stops in {what}: rank {culprit} broke the group ({self.reason(culprit)})")
         if status == GONE:
             pid = int(self._lines[culprit, _PID])
             self.fail(f"sn: rank {culprit} (pid {pid}) ended before {what}; rank {self.rank} stops: the group "
@@ -180,7 +179,7 @@ class Group:
             slot = self.segment.array(self.layout.reasons + self.rank * REASON_BYTES, REASON_BYTES, np.uint8)
             slot[: len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
             if self._lib is not None:
-                self._lib.sn_break(self._state)
+                self._lib.sn_break(self.pointer)
                 return
             self._lines[self.rank, _ARRIVAL] = -1
             for rank in range(self.world):

@@ -52,6 +52,6 @@ class NativeGroup(ctypes.Structure):
     _fields_ = [("lines", ctypes.c_void_p), ("mutexes", ctypes.c_void_p), ("headers", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64), ("line_bytes", ctypes.c_int64),
                 ("mutex_bytes", ctypes.c_int64), ("header_words", ctypes.c_int64), ("generation", ctypes.c_int64),
-                ("chunks", ctypes.c_int64), ("spins", ctypes.c_int64), ("yield_ns", ctypes.c_int64),
+                ("chunks", ctypes.c_int64), ("ops", ctypes.c_int64), ("spins", ctypes.c_int64), ("yield_ns", ctypes.c_int64),
                 ("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("culprit", ctypes.c_int32),
                 ("pad", ctypes.c_int32)]

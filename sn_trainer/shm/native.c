@@ -20,7 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SN_ABI 3
+#define SN_ABI 4
 
 /* What the Python side passes: pointers into the segment and the rank's counters (shm/layout.py's
  * NativeGroup mirrors this struct field by field). */
@@ -33,6 +33,7 @@ typedef struct {
     int64_t line_bytes, mutex_bytes, header_words;
     int64_t generation;   /* barriers this rank has passed */
     int64_t chunks;       /* chunks moved: the slot set the next one uses */
+    int64_t ops;          /* collectives begun: the header set the next one uses */
     int64_t spins;        /* polls before the waiter yields its core */
     int64_t yield_ns;     /* then yields for this long before it sleeps */
     int32_t world, rank;
@@ -128,12 +129,20 @@ void sn_break(sn_group *g) {
     }
 }
 
+/* What this rank is about to do, in its header of the next set (compared after the first barrier). */
+static int64_t begin(sn_group *g, int64_t kind, int64_t dtype, int64_t numel, int64_t nbytes, int64_t extra) {
+    int64_t index = g->ops++;
+    int64_t *mine = g->headers + ((index % 2) * g->world + g->rank) * g->header_words;
+    mine[0] = index + 1, mine[1] = kind, mine[2] = dtype, mine[3] = numel, mine[4] = nbytes, mine[5] = extra;
+    return index;
+}
+
 /* After the first barrier of a collective: whether every rank wrote the same header as this one. */
 static int headers_agree(sn_group *g, int64_t op_index) {
     int64_t *set = g->headers + (op_index % 2) * g->world * g->header_words;
     int64_t *mine = set + g->rank * g->header_words;
     for (int r = 0; r < g->world; r++)
-        if (memcmp(set + r * g->header_words, mine, g->header_words * 8)) { g->culprit = r; return 0; }
+        if (memcmp(set + r * g->header_words, mine, 6 * 8)) { g->culprit = r; return 0; }
     return 1;
 }
 
@@ -238,8 +247,9 @@ static int post(sn_group *g, const void *piece, int64_t n, int first, int64_t op
  * whole by every rank while that reads little (two ranks, or small chunks); otherwise each rank combines
  * its part into rank 0's slot, and after a second barrier every rank reads the parts. */
 int sn_all_reduce(sn_group *g, char *data, int64_t numel, int dtype, int mean, int64_t whole_bytes,
-                  int64_t op_index, int64_t deadline) {
+                  int64_t kind, int64_t header_dtype, int64_t extra, int64_t deadline) {
     int64_t size = ITEMSIZE[dtype], chunk = g->slot_bytes / size, set;
+    int64_t op_index = begin(g, kind, header_dtype, numel, numel * size, extra);
     if (chunk < 1) chunk = 1;
     for (int64_t start = 0; start < (numel > 0 ? numel : 1); start += chunk) {
         int64_t n = numel - start < chunk ? numel - start : chunk;
@@ -261,8 +271,9 @@ int sn_all_reduce(sn_group *g, char *data, int64_t numel, int dtype, int mean, i
 
 /* Part ``rank`` (``numel`` elements) of the sum of every rank's ``data`` (W * numel) into ``out``. */
 int sn_reduce_scatter(sn_group *g, const char *data, char *out, int64_t numel, int dtype, int mean,
-                      int64_t op_index, int64_t deadline) {
+                      int64_t kind, int64_t header_dtype, int64_t extra, int64_t deadline) {
     int64_t size = ITEMSIZE[dtype], world = g->world, chunk = g->slot_bytes / size / world, set;
+    int64_t op_index = begin(g, kind, header_dtype, numel, numel * size, extra);
     if (chunk < 1) chunk = 1;
     for (int64_t start = 0; start < (numel > 0 ? numel : 1); start += chunk) {
         int64_t n = numel - start < chunk ? numel - start : chunk;
@@ -280,8 +291,10 @@ int sn_reduce_scatter(sn_group *g, const char *data, char *out, int64_t numel, i
 }
 
 /* ``nbytes`` of rank ``root``'s ``data`` into every rank's. */
-int sn_broadcast(sn_group *g, char *data, int64_t nbytes, int root, int64_t op_index, int64_t deadline) {
+int sn_broadcast(sn_group *g, char *data, int64_t nbytes, int root, int64_t kind, int64_t header_dtype,
+                 int64_t numel, int64_t deadline) {
     int64_t chunk = g->slot_bytes * g->world;
+    int64_t op_index = begin(g, kind, header_dtype, numel, nbytes, root);
     for (int64_t start = 0; start < (nbytes > 0 ? nbytes : 1); start += chunk) {
         int64_t n = nbytes - start < chunk ? nbytes - start : chunk;
         if (n < 0) n = 0;
@@ -297,9 +310,10 @@ int sn_broadcast(sn_group *g, char *data, int64_t nbytes, int root, int64_t op_i
 }
 
 /* Every rank's ``nbytes`` of ``data`` into ``out`` + rank * nbytes, on every rank. */
-int sn_all_gather(sn_group *g, const char *data, char *out, int64_t nbytes, int64_t op_index,
-                  int64_t deadline) {
+int sn_all_gather(sn_group *g, const char *data, char *out, int64_t nbytes, int64_t kind, int64_t header_dtype,
+                  int64_t numel, int64_t deadline) {
     int64_t chunk = g->slot_bytes, set;
+    int64_t op_index = begin(g, kind, header_dtype, numel, nbytes, 0);
     for (int64_t start = 0; start < (nbytes > 0 ? nbytes : 1); start += chunk) {
         int64_t n = nbytes - start < chunk ? nbytes - start : chunk;
         if (n < 0) n = 0;
@@ -308,6 +322,13 @@ int sn_all_gather(sn_group *g, const char *data, char *out, int64_t nbytes, int6
         for (int r = 0; r < g->world; r++) memcpy(out + r * nbytes + start, slot(g, set, r), n);
     }
     return SN_OK;
+}
+
+/* The barrier as a collective of its own (its header compared like any other's). */
+int sn_collective_barrier(sn_group *g, int64_t kind, int64_t header_dtype, int64_t deadline) {
+    int64_t op_index = begin(g, kind, header_dtype, 0, 0, 0);
+    int rc = sn_barrier(g, deadline);
+    return rc == SN_OK && !headers_agree(g, op_index) ? SN_MISMATCH : rc;
 }
 
 /* The Trainer's reduce: columns [start, start + n) of ``count`` rows ``stride`` bytes apart, summed in row

@@ -21,7 +21,7 @@ from .layout import NativeGroup
 log = logging.getLogger("sn_trainer")
 
 SOURCE = Path(__file__).with_name("native.c")
-ABI = 3  # native.c's SN_ABI
+ABI = 4  # native.c's SN_ABI
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -86,10 +86,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     signatures = {
         "sn_arrive": [group], "sn_wait": [group, i64], "sn_barrier": [group, i64], "sn_break": [group],
         "sn_gone": [group, i32],
-        "sn_all_reduce": [group, ptr, i64, i32, i32, i64, i64, i64],
-        "sn_reduce_scatter": [group, ptr, ptr, i64, i32, i32, i64, i64],
-        "sn_broadcast": [group, ptr, i64, i32, i64, i64],
-        "sn_all_gather": [group, ptr, ptr, i64, i64, i64],
+        "sn_all_reduce": [group, ptr, i64, i32, i32, i64, i64, i64, i64, i64],
+        "sn_reduce_scatter": [group, ptr, ptr, i64, i32, i32, i64, i64, i64, i64],
+        "sn_broadcast": [group, ptr, i64, i32, i64, i64, i64, i64],
+        "sn_all_gather": [group, ptr, ptr, i64, i64, i64, i64, i64],
+        "sn_collective_barrier": [group, i64, i64, i64],
         "sn_sum_rows": [ptr, i64, i32, i64, i64, i32, ptr],
     }
     for name, arguments in signatures.items():
