@@ -2,7 +2,8 @@
 
 A plain DDP script (the shape of pytorch/examples' DDP tutorial) trains under the launcher to
 the weights of one process over the global batch; each rank runs where the launcher said; the
-auto count follows the usable cores; torchrun's own flags still work; a crash leaves nothing.
+auto count follows the usable cores; torchrun's own flags still work; a rank ends as Python ends,
+without gloo's threads racing its teardown; a crash leaves nothing.
 """
 import json
 import os
@@ -248,6 +249,57 @@ def test_torchruns_restarts_pass_through(tmp_path):
                          str(tmp_path)], tmp_path)
     assert rc == 0, err
     assert [(tmp_path / f"done{rank}").read_text() for rank in range(2)] == ["1", "1"]
+
+
+# The smallest DDP run over gloo whose last collective is made in a backward pass: its Work holds a
+# Python object (torch stashes the caller's context in the thread's state) until gloo's thread lets it go.
+TINY_GLOO_DDP = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+model(torch.ones(1, 2)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(1200)
+def test_fifty_starts_of_a_gloo_ddp_script_end_without_an_abort(tmp_path):
+    """Each rank pinned to one core ended, before, inside Python's teardown while gloo's thread still had
+    to release the backward's last Work: std::terminate, SIGABRT, in about one start of four."""
+    script = write(tmp_path, "tiny.py", TINY_GLOO_DDP)
+    for start in range(50):
+        rc, _, err = launch(["--nproc-per-node=2", "--monitor-interval=0.05", str(script)], tmp_path)
+        assert rc == 0, f"start {start + 1} of 50 failed:\n{err[-3000:]}"
+
+
+def test_a_rank_ends_as_python_ends_its_threads_joined_exit_handlers_run_output_flushed(tmp_path):
+    """The child ends each rank without the interpreter's teardown, and misses nothing Python's exit does:
+    non-daemon threads joined, atexit handlers run, the program's buffered output flushed, the status
+    that ``sys.exit`` gave."""
+    write(tmp_path, "ends.py", """
+        import atexit, os, sys, threading
+
+        out = sys.argv[1]
+
+
+        def after_the_main_thread():
+            threading.main_thread().join()  # returns once Python's exit has begun: it then waits for this thread
+            with open(os.path.join(out, "thread"), "w") as f:
+                f.write("joined")
+
+
+        threading.Thread(target=after_the_main_thread).start()
+        atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+        sys.stdout = open(1, "w", buffering=1 << 16, closefd=False)  # buffered, whatever torchrun's -u did
+        print("printed by Python, in its buffer", end="")
+        sys.exit(3)
+    """)
+    rc, out, err = launch(["--nproc-per-node=1", "ends.py", str(tmp_path)], tmp_path)
+    assert rc != 0 and "exitcode  : 3" in err, err
+    assert (tmp_path / "thread").read_text() == "joined" and (tmp_path / "atexit").read_text() == "ran"
+    assert "printed by Python, in its buffer" in out
 
 
 def test_a_crashing_rank_leaves_no_process_behind(tmp_path):
