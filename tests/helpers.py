@@ -302,3 +302,9 @@ def stops_halfway_through_a_message(payload, send):
     (conn,) = [cell.cell_contents for cell in send.__closure__ if hasattr(cell.cell_contents, "fileno")]
     os.write(conn.fileno(), struct.pack("!i", 1 << 20) + b"0123456789")
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def openmp_registrations() -> set[str]:
+    """What Intel's OpenMP (libiomp5) has registered in /dev/shm: a file per process it ran in, which
+    must go with the process however it ends."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("__KMP_REGISTERED_LIB_")}

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import openmp_registrations
 from test_topology import make_sys
 
 import sn_trainer
@@ -212,16 +213,21 @@ def test_every_way_torchrun_runs_a_program_is_pinned(tmp_path, how):
 
 def test_the_allocator_and_openmp_asked_for_are_loaded_in_each_rank(tmp_path):
     write(tmp_path, "maps.py", """
-        import sys
+        import os, sys
         with open(sys.argv[1] + "/maps.txt", "w") as f:
             f.write(open("/proc/self/maps").read())
+        with open(sys.argv[1] + "/registered.txt", "w") as f:  # Intel's OpenMP registers the rank while it runs
+            f.write(str(any(n.startswith(f"__KMP_REGISTERED_LIB_{os.getpid()}_") for n in os.listdir("/dev/shm"))))
     """)
+    before = openmp_registrations()
     rc, _, err = launch(["--nproc-per-node=1", "--allocator=jemalloc", "--openmp=intel", "maps.py", str(tmp_path)],
                         tmp_path)
     assert rc == 0, err
     maps = (tmp_path / "maps.txt").read_text()
     assert "libjemalloc" in maps and "libiomp5" in maps
     assert "allocator=jemalloc openmp=intel" in err
+    assert (tmp_path / "registered.txt").read_text() == "True"
+    assert openmp_registrations() - before == set()  # and nothing of the rank's is left behind
 
 
 def test_the_plan_reaches_the_ranks_through_their_environment(tmp_path):
@@ -303,7 +309,8 @@ def test_a_rank_ends_as_python_ends_its_threads_joined_exit_handlers_run_output_
 
 
 def test_a_crashing_rank_leaves_no_process_behind(tmp_path):
-    """Rank 1 dies; rank 0 (and a process it started) would wait forever: the agent ends them all."""
+    """Rank 1 dies; rank 0 (and a process it started) would wait forever: the agent ends them all.
+    With Intel's OpenMP in them, what it registered for each goes too."""
     script = write(tmp_path, "crash.py", """
         import os, subprocess, sys, threading
         import torch.distributed as dist
@@ -319,11 +326,14 @@ def test_a_crashing_rank_leaves_no_process_behind(tmp_path):
             os._exit(3)
         threading.Event().wait()
     """)
-    rc, _, err = launch(["--nproc-per-node=2", "--monitor-interval=0.1", str(script), str(tmp_path)], tmp_path)
+    before = openmp_registrations()
+    rc, _, err = launch(["--nproc-per-node=2", "--monitor-interval=0.1", "--openmp=intel", str(script),
+                         str(tmp_path)], tmp_path)
     assert rc != 0 and "crash.py FAILED" in err, err
     pids = [int(p) for rank in range(2) for p in (tmp_path / f"pids{rank}").read_text().split()]
     assert len(pids) == 3
     assert [pid for pid in pids if alive(pid)] == []
+    assert openmp_registrations() - before == set()
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 from ..config import ALLOCATORS, OPENMPS
-from ..engine.runtime import Runtime, default_runtime
+from ..engine.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
 from ..engine.topology import read_topology
 from ..errors import ConfigError
 from . import child
@@ -102,7 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     for line in plan.lines():
         print(line, file=sys.stderr, flush=True)
     hand_to_child(args)
-    record(run)(args)
+    # Intel's OpenMP registers each rank in /dev/shm and removes that only in its exit handler,
+    # which a rank misses when the agent kills it (and the child's ending skips): removed here.
+    before = openmp_registrations() if plan.runtime.openmp == "intel" else None
+    try:
+        record(run)(args)
+    finally:
+        if before is not None:
+            forget_ended_openmp_registrations(before)
 
 
 if __name__ == "__main__":
