@@ -15,6 +15,7 @@ import threading
 # What the launcher decided once, handed to every rank through the environment (plan.py writes them).
 CPUS_VARIABLE = "SN_LAUNCH_CPUS"  # each local rank's logical CPUs: "0,1;2,3" (absent: not pinned)
 THREADS_VARIABLE = "SN_LAUNCH_THREADS"
+CPU_BACKEND_VARIABLE = "SN_LAUNCH_CPU_BACKEND"  # --cpu-backend: "sn" (absent: the program's own choice)
 
 
 def planned_cpus(environment: dict[str, str], local_rank: int) -> list[int] | None:
@@ -98,6 +99,10 @@ def main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    if os.environ.get(CPU_BACKEND_VARIABLE):
+        from sn_trainer.launch import cpu_backend
+
+        cpu_backend.redirect(cpu_backend.announce(int(os.environ.get("LOCAL_RANK", "0"))))
     sys.argv = [target, *arguments]
     if mode == "run_path":  # torchrun runs this file in a process of its making: it reports and ends it
         runpy.run_path(target, run_name="__main__")
