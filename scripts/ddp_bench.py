@@ -3,7 +3,7 @@ sn_trainer's own Trainer on the same model and global batch:
 
 (a) torchrun + gloo        `python -m torch.distributed.run`: its defaults (OMP_NUM_THREADS=1, no pinning);
 (b) sn_trainer.launch + gloo   each rank pinned to its own physical cores, threads = its cores;
-(c) sn_trainer.launch + sn     the same, over the shared-memory backend (`import sn_trainer.distributed`);
+(c) sn_trainer.launch + sn     the same, over the shared-memory backend (`--cpu-backend=sn`, the script as it is);
 (d) sn_trainer.launch --no-pin + sn   the backend alone: threads set, affinity left to the OS;
 (e) Trainer                sn_trainer's Trainer.fit, workers=N, threads=1.
 
@@ -55,10 +55,10 @@ def parse_case(label: str) -> dict:
 
 def launcher_command(variant: str, case: dict, nproc: int, steps: int, warmup: int, out: str) -> list[str]:
     launcher = "torch.distributed.run" if variant == "torchrun_gloo" else "sn_trainer.launch"
-    backend = "sn" if variant.startswith("launch_sn") else "gloo"
-    pin = ["--no-pin"] if variant == "launch_sn_unpinned" else []
-    return [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *pin, str(TRAIN), "--model", case["model"],
-            "--batch", str(case["batch"]), "--steps", str(steps), "--warmup", str(warmup), "--backend", backend,
+    flags = ["--cpu-backend=sn"] if variant.startswith("launch_sn") else []  # the script's gloo group made on "sn"
+    flags += ["--no-pin"] if variant == "launch_sn_unpinned" else []
+    return [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *flags, str(TRAIN), "--model", case["model"],
+            "--batch", str(case["batch"]), "--steps", str(steps), "--warmup", str(warmup), "--backend", "gloo",
             *(["--channels-last"] if case["channels_last"] else []), "--out", out]
 
 

@@ -314,6 +314,12 @@ def stops_halfway_through_a_message(payload, send):
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def openmp_registrations() -> set[str]:
+    """What Intel's OpenMP (libiomp5) has registered in /dev/shm: a file per process it ran in, which
+    must go with the process however it ends."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("__KMP_REGISTERED_LIB_")}
+
+
 # --- ranks of a process group, spawned -----------------------------------------------------------
 
 def run_ranks(target, world: int, tmp_path, timeout_s: float = 120.0, extra=()) -> list[int | None]:

@@ -1,8 +1,11 @@
-"""Lightning, Accelerate, a transformers Trainer and DDP's PowerSGD hook, trained for real at 2 processes over "sn".
+"""Lightning, Accelerate, a transformers Trainer and a plain DDP script (with DDP's PowerSGD hook), written
+for gloo and trained unchanged at 2 processes under ``python -m sn_trainer.launch --cpu-backend=sn``.
 
 Each job (tests/framework_jobs.py) records, on every rank, the backend of the group its DDP wrapper
-reduced over and the parameters it trained. The float64 results are checked against gloo's and
-against a plain one-process loop over the same global batches (written here).
+reduced over and the parameters it trained. The four jobs run one after another in the same two
+processes: once under the launcher as they are (gloo), once with the flag ("sn"); and Lightning once
+more started by itself with "sn" named in its strategy. The float64 results are checked against each
+other and against a plain one-process loop over the same global batches (written here).
 """
 import os
 import subprocess
@@ -19,20 +22,34 @@ from framework_jobs import regression_data, small_net
 pytestmark = pytest.mark.timeout(300)
 TESTS = Path(__file__).parent
 JOB = TESTS / "framework_jobs.py"
+JOBS = ["accelerate", "hf", "powersgd", "lightning"]
 LAUNCHER = [sys.executable, "-m", "sn_trainer.launch", "--nproc-per-node=2", "--monitor-interval=0.5"]
 TIGHT = dict(rtol=1e-12, atol=1e-12)
+SAYS = 'is made on "sn" (--cpu-backend=sn)'
 
 
-def run_job(tmp_path, job, backend, launched=True, steps=4):
-    """Runs one job at 2 processes and returns what each rank recorded."""
-    out = tmp_path / f"{job}-{backend}-{'launched' if launched else 'alone'}"
+def run_jobs(out: Path, jobs, flags=(), launched=True, backend=None):
+    """Runs ``jobs`` in one pair of processes; returns what each rank recorded per job, and the log."""
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [str(JOB), job, "--backend", backend, "--out", str(out), "--steps", str(steps)]
-    done = subprocess.run([*LAUNCHER, *command] if launched else [sys.executable, *command], env=env,
-                          capture_output=True, text=True, timeout=240)
+    command = [str(JOB), *jobs, "--out", str(out), *(["--backend", backend] if backend else [])]
+    done = subprocess.run([*LAUNCHER, *flags, *command] if launched else [sys.executable, *command], env=env,
+                          capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    ranks = {job: [torch.load(out / f"{job}-rank{rank}.pt", weights_only=True) for rank in range(2)] for job in jobs}
+    return ranks, done.stderr
+
+
+@pytest.fixture(scope="module")
+def over_gloo(tmp_path_factory):
+    """The jobs as written (gloo), under the launcher."""
+    return run_jobs(tmp_path_factory.mktemp("jobs") / "gloo", JOBS)[0]
+
+
+@pytest.fixture(scope="module")
+def redirected(tmp_path_factory):
+    """The same jobs, unchanged, under ``--cpu-backend=sn``."""
+    return run_jobs(tmp_path_factory.mktemp("jobs") / "flag", JOBS, ["--cpu-backend=sn"])
 
 
 def assert_over(ranks, backend):
@@ -75,41 +92,44 @@ def plain_sgd(steps, batch_rows, momentum=0.0):
     return {f"net.{name}": value for name, value in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def lightning_over_gloo(tmp_path_factory):
-    return run_job(tmp_path_factory.mktemp("gloo"), "lightning", "gloo", launched=False)
+def test_the_log_says_once_that_the_groups_are_made_on_sn_and_why(redirected):
+    _, log = redirected
+    assert log.count(SAYS) == 1, log[-3000:]  # local rank 0, at its first group; later groups likewise, unsaid
+    assert 'the process group asked for "gloo" is made on "sn" (--cpu-backend=sn)' in log
 
 
-@pytest.mark.parametrize("launched", [False, True], ids=["started-by-lightning", "under-the-launcher"])
-def test_lightning_ddp_over_sn_trains_as_over_gloo(tmp_path, lightning_over_gloo, launched):
-    ranks = run_job(tmp_path, "lightning", "sn", launched=launched)
-    assert_over(ranks, "sn")
-    assert_over(lightning_over_gloo, "gloo")
-    assert_close_states(ranks[0]["state"], lightning_over_gloo[0]["state"], **TIGHT)
-    assert_close_states(ranks[0]["state"], plain_sgd(4, as_lightning_shuffles, momentum=0.9), rtol=1e-10,
-                        atol=1e-12)
-
-
-def test_accelerate_refuses_sn_by_name_and_trains_over_a_group_made_first(tmp_path):
-    ranks = run_job(tmp_path, "accelerate", "sn")
-    assert "sn is not available" in ranks[0]["refused"]
-    assert_over(ranks, "sn")
-    state = {f"net.{name}": value for name, value in ranks[0]["state"].items()}
-    assert_close_states(state, plain_sgd(4, in_order, momentum=0.9), rtol=1e-10, atol=1e-12)
-
-
-def test_transformers_trainer_refuses_sn_by_name_and_trains_over_a_group_made_first(tmp_path):
-    ranks = run_job(tmp_path, "hf", "sn")
-    assert "sn is not available" in ranks[0]["refused"]
-    assert_over(ranks, "sn")
-    assert_close_states(ranks[0]["state"], plain_sgd(4, in_order), rtol=1e-10, atol=1e-12)
-
-
-def test_powersgd_hook_over_sn_compresses_and_agrees_with_gloo(tmp_path):
-    over_sn, over_gloo = run_job(tmp_path, "powersgd", "sn", steps=5), run_job(tmp_path, "powersgd", "gloo", steps=5)
+@pytest.mark.parametrize("job", JOBS)
+def test_an_unchanged_gloo_job_under_the_flag_reduces_over_sn_to_the_same_weights(job, over_gloo, redirected):
+    over_sn = redirected[0][job]
     assert_over(over_sn, "sn")
-    assert_over(over_gloo, "gloo")
+    assert_over(over_gloo[job], "gloo")
+    assert_close_states(over_sn[0]["state"], over_gloo[job][0]["state"], **TIGHT)
+
+
+def test_lightnings_default_ddp_trains_as_a_plain_loop_over_sn(redirected):
+    state = redirected[0]["lightning"][0]["state"]
+    assert_close_states(state, plain_sgd(4, as_lightning_shuffles, momentum=0.9), rtol=1e-10, atol=1e-12)
+
+
+def test_lightning_started_by_itself_with_sn_named_trains_as_over_gloo(tmp_path, over_gloo):
+    """Without the launcher there is no flag: ``DDPStrategy(process_group_backend="sn")``."""
+    ranks = run_jobs(tmp_path / "alone", ["lightning"], launched=False, backend="sn")[0]["lightning"]
+    assert_over(ranks, "sn")
+    assert_close_states(ranks[0]["state"], over_gloo["lightning"][0]["state"], **TIGHT)
+
+
+@pytest.mark.parametrize("job, momentum", [("accelerate", 0.9), ("hf", 0.0)])
+def test_accelerate_and_transformers_refuse_sn_by_name_and_train_as_a_plain_loop_under_the_flag(redirected, job,
+                                                                                              momentum):
+    ranks = redirected[0][job]
+    assert "sn is not available" in ranks[0]["refused"]
+    state = {f"net.{name}": value for name, value in ranks[0]["state"].items()} if job == "accelerate" else \
+        ranks[0]["state"]
+    assert_close_states(state, plain_sgd(4, in_order, momentum=momentum), rtol=1e-10, atol=1e-12)
+
+
+def test_the_powersgd_hook_over_sn_compresses_as_over_gloo(over_gloo, redirected):
+    over_sn = redirected[0]["powersgd"]
     before, after = over_sn[0]["compressed"]
     assert 0 < after < before  # PowerSGD did compress, from its third step on
-    assert over_sn[0]["compressed"] == over_gloo[0]["compressed"]
-    assert_close_states(over_sn[0]["state"], over_gloo[0]["state"], **TIGHT)
+    assert over_sn[0]["compressed"] == over_gloo["powersgd"][0]["compressed"]

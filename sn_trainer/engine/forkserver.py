@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from .runtime import Runtime, default_runtime
+from .runtime import Runtime, default_runtime, forget_openmp_registrations
 
 # What the server imports before its first fork: this process's main module (as spawn would),
 # the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim
@@ -112,7 +112,8 @@ def _stop() -> None:
     """At exit, end the server and reap it, rather than leave it to notice on its own.
 
     It holds nothing worth a graceful exit (its own teardown of torch takes a second or two),
-    and whoever watches this process's children sees none left once this process is gone.
+    and whoever watches this process's children sees none left once this process is gone; what
+    Intel's OpenMP registered for it, when preloaded, goes with it.
     """
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
@@ -123,6 +124,7 @@ def _stop() -> None:
         os.waitpid(pid, 0)
     except (OSError, ChildProcessError):
         pass
+    forget_openmp_registrations([pid])
 
 
 def leave(code: int) -> None:

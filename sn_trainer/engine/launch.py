@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from ..errors import InputError, WorkerFailed
 from . import forkserver, metric_states
-from .runtime import Runtime, default_runtime
+from .runtime import Runtime, default_runtime, forget_openmp_registrations
 from .signals import StopFlags, stop_on_signals
 from .stages import STAGES, WAITING
 
@@ -450,9 +450,11 @@ def _follows_a_peer(detail: str) -> bool:
 
 
 def _teardown(procs) -> None:
-    """Kill whatever still runs and reap it. Workers hold nothing that a kill could corrupt."""
+    """Kill whatever still runs and reap it. Workers hold nothing that a kill could corrupt, and
+    what Intel's OpenMP registered for them goes with them (they end without its exit handler)."""
     for proc in procs:
         if proc.is_alive():
             proc.kill()
     for proc in procs:
         proc.join(timeout=10)
+    forget_openmp_registrations(proc.pid for proc in procs if proc.exitcode is not None)

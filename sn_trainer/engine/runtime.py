@@ -7,7 +7,10 @@ server with the default before it imports torch.
 from __future__ import annotations
 
 import ctypes.util
+import os
+import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,11 @@ _LIBRARIES = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_mini
 _PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 # The OpenMP runtimes (config.OPENMPS): torch's own (GNU, linked in), or Intel's, preloaded in its
 # place (it answers the GNU entry points torch calls), as PyTorch's own CPU launcher does.
+# Intel's registers each process it runs in (to find a second copy of itself loaded there) as a file
+# /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>, and removes it only in its exit handler: a process that
+# leaves with os._exit or is killed leaves the file behind. No setting of the library avoids it.
+_REGISTRY = Path("/dev/shm")
+_REGISTRATION = re.compile(r"__KMP_REGISTERED_LIB_(\d+)_(\d+)")
 
 
 def allocator_library(allocator: str) -> str | None:
@@ -55,6 +63,43 @@ def openmp_library(openmp: str) -> str | None:
         raise ConfigError("openmp=intel: libiomp5 is not installed; install it (pip install intel-openmp) "
                           "or use openmp=gnu")
     return library
+
+
+def openmp_registrations() -> set[int]:
+    """The processes of this user that Intel's OpenMP has registered, by pid (ended ones included)."""
+    try:
+        names = os.listdir(_REGISTRY)
+    except OSError:
+        return set()
+    found = (_REGISTRATION.fullmatch(name) for name in names)
+    return {int(m.group(1)) for m in found if m is not None and int(m.group(2)) == os.getuid()}
+
+
+def forget_openmp_registrations(pids: Iterable[int]) -> None:
+    """Remove what Intel's OpenMP registered for each of ``pids``, processes that have ended without
+    its exit handler (their registrations are garbage: the library would itself remove one it found
+    for a dead process of its own pid)."""
+    for pid in pids:
+        try:
+            os.unlink(_REGISTRY / f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}")
+        except FileNotFoundError:  # none: GNU's OpenMP, or the library never started in it
+            pass
+
+
+def _ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's: alive
+        pass
+    return False
+
+
+def forget_ended_openmp_registrations(known: set[int]) -> None:
+    """Remove Intel's OpenMP's registrations of processes that have ended, those in ``known`` (a
+    snapshot of ``openmp_registrations()``, for processes this one did not start) apart."""
+    forget_openmp_registrations(pid for pid in openmp_registrations() - known if _ended(pid))
 
 
 def available_allocators() -> list[str]:

@@ -12,10 +12,10 @@ from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 from ..config import ALLOCATORS, OPENMPS
-from ..engine.runtime import Runtime, default_runtime
+from ..engine.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
 from ..engine.topology import read_topology
 from ..errors import ConfigError
-from . import child
+from . import child, cpu_backend
 from .plan import LaunchPlan, resolve
 
 
@@ -38,6 +38,9 @@ def parser() -> ArgumentParser:
                       help="the processes' OpenMP runtime: gnu (torch's own) or intel (libiomp5, preloaded)")
     ours.add_argument("--no-pin", "--no_pin", dest="pin", action="store_false",
                       help="leave the processes' CPU affinity to the OS (threads are still set)")
+    ours.add_argument("--cpu-backend", "--cpu_backend", choices=cpu_backend.CHOICES, default=None,
+                      help="make every CPU process group the program makes over gloo (named, or torch's default) "
+                           "on this backend instead, the program unchanged (default: the program's choice)")
     parsed.error = _usage_error  # one line, as every sn_trainer command line says what is wrong
     return parsed
 
@@ -66,7 +69,7 @@ def refuse_conflicts(args: Namespace) -> None:
 def plan_for(args: Namespace) -> LaunchPlan:
     refuse_conflicts(args)
     return resolve(str(args.nproc_per_node), args.threads_per_proc, args.pin, Runtime(args.allocator, args.openmp),
-                   read_topology(), dict(os.environ))
+                   read_topology(), dict(os.environ), args.cpu_backend)
 
 
 def hand_to_child(args: Namespace) -> None:
@@ -102,7 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     for line in plan.lines():
         print(line, file=sys.stderr, flush=True)
     hand_to_child(args)
-    record(run)(args)
+    # Intel's OpenMP registers each rank in /dev/shm and removes that only in its exit handler,
+    # which a rank misses when the agent kills it (and the child's ending skips): removed here.
+    before = openmp_registrations() if plan.runtime.openmp == "intel" else None
+    try:
+        record(run)(args)
+    finally:
+        if before is not None:
+            forget_ended_openmp_registrations(before)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class LaunchPlan:
     runtime: Runtime
     unpinned_because: str | None = None  # why ranks are not pinned, when pinning was asked for
     auto_because: str | None = None  # what --nproc-per-node=auto became, and from what
+    cpu_backend: str | None = None  # --cpu-backend: what the ranks' CPU gloo groups are made on (None: gloo)
 
     def environment(self, preloaded: str | None) -> dict[str, str]:
         """The variables every rank starts with (``preloaded``: LD_PRELOAD as it is now)."""
@@ -27,6 +28,8 @@ class LaunchPlan:
         variables = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, child.THREADS_VARIABLE: threads}
         if self.cpus is not None:
             variables[child.CPUS_VARIABLE] = ";".join(",".join(map(str, cpus)) for cpus in self.cpus)
+        if self.cpu_backend is not None:
+            variables[child.CPU_BACKEND_VARIABLE] = self.cpu_backend
         libraries = self.runtime.libraries()
         if libraries:
             variables["LD_PRELOAD"] = ":".join([*libraries, preloaded] if preloaded else libraries)
@@ -81,13 +84,14 @@ def local_world_size(nproc: str) -> int:
 
 
 def resolve(nproc: str, threads: int | None, pin: bool, runtime: Runtime, topology: Topology,
-            environment: dict[str, str]) -> LaunchPlan:
+            environment: dict[str, str], cpu_backend: str | None = None) -> LaunchPlan:
     """The plan for one node's ranks.
 
     Args:
         nproc: ``--nproc-per-node``: ``auto`` is the usable physical cores / threads.
         threads: ``--threads-per-proc`` (None: see resolve_threads).
         pin: pin each rank to its own physical cores (``--no-pin``: False).
+        cpu_backend: ``--cpu-backend``: the ranks' CPU gloo groups made on it (None: left as they are).
     Raises:
         ConfigError: a value that cannot be launched, or a runtime library that is not installed.
     """
@@ -97,10 +101,11 @@ def resolve(nproc: str, threads: int | None, pin: bool, runtime: Runtime, topolo
     auto = (f"--nproc-per-node=auto: {count} processes ({topology.usable_cores} usable physical cores / {per_rank} "
             f"intra-op threads each)") if nproc == "auto" else None
     if not pin:
-        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto)
+        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto, cpu_backend=cpu_backend)
     if count * per_rank > topology.physical_cores:  # pinned onto shared cores they would only pile up
-        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto, unpinned_because=
+        return LaunchPlan(count, per_rank, None, runtime, auto_because=auto, cpu_backend=cpu_backend, unpinned_because=
                           f"{count} processes x {per_rank} threads need {count * per_rank} physical cores and "
                           f"{topology.physical_cores} are here: the processes are not pinned and share them; use "
                           "fewer processes or threads (--nproc-per-node=auto fits them)")
-    return LaunchPlan(count, per_rank, tuple(plan_pinning(topology, count, per_rank)), runtime, auto_because=auto)
+    return LaunchPlan(count, per_rank, tuple(plan_pinning(topology, count, per_rank)), runtime, auto_because=auto,
+                      cpu_backend=cpu_backend)
