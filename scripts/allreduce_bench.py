@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,7 +85,11 @@ def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) ->
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import sn_trainer.distributed  # noqa: F401  (registers "sn")
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // procs))
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // procs)
+    torch.set_num_threads(per_rank)
+    if len(cores) >= procs:  # each rank on cores of its own, as sn_trainer.launch places them
+        os.sched_setaffinity(0, cores[rank * per_rank : (rank + 1) * per_rank])
     dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=procs,
                             timeout=datetime.timedelta(seconds=300))
     gloo = dist.new_group(backend="gloo")
@@ -96,6 +101,46 @@ def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) ->
     if rank == 0:
         torch.save((rows, native), out)
     dist.destroy_process_group()
+
+
+PING_PONG = r"""
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    volatile int64_t *word = mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    int a = atoi(argv[1]), b = atoi(argv[2]), n = 200000;
+    pid_t child = fork();
+    cpu_set_t set; CPU_ZERO(&set); CPU_SET(child == 0 ? b : a, &set); sched_setaffinity(0, sizeof set, &set);
+    if (child == 0) { for (int i = 1; i <= n; i++) { while (word[0] != i); word[8] = i; } _exit(0); }
+    struct timespec t0, t1; clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 1; i <= n; i++) { word[0] = i; while (word[8] != i); }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("%.0f\n", ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / n);
+    wait(0);
+    return 0;
+}
+"""
+
+
+def round_trip_ns(tmp: str) -> float | None:
+    """Nanoseconds for a cache line to go from the first rank's core to the second's and back: where two
+    cores lie apart (other dies, or a VM's virtual CPUs placed so by its host), data crossing between
+    them is slow, and every shared-memory collective with it. None where no C compiler is found."""
+    cores = sorted(os.sched_getaffinity(0))
+    source, binary = os.path.join(tmp, "ping.c"), os.path.join(tmp, "ping")
+    Path(source).write_text(PING_PONG.replace("#include <stdio.h>", "#include <stdio.h>\n#include <stdlib.h>"))
+    try:
+        subprocess.run(["cc", "-O2", "-o", binary, source], check=True, capture_output=True)
+        return float(subprocess.run([binary, str(cores[0]), str(cores[-1])], capture_output=True, text=True,
+                                    check=True).stdout)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return None
 
 
 def cpu_model() -> str:
@@ -122,12 +167,15 @@ def own_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def report(rows, native: bool, procs: int, seconds: float, others: float) -> str:
+def report(rows, native: bool, procs: int, seconds: float, others: float, round_trip: float | None) -> str:
     lines = [f"# All-reduce: \"sn\" against gloo, {procs} processes, float32 SUM", "",
              f"- CPU: {cpu_model()}; {len(os.sched_getaffinity(0))} cores usable ({os.cpu_count()} online)",
              f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}",
              f"- sn's collectives: {'the C core' if native else 'the Python path (no C core built)'}",
-             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); median of timed "
+             f"- a cache line's round trip between the first and the last core: "
+             f"{f'{round_trip:.0f} ns' if round_trip else 'not measured (no C compiler)'}, measured before the run",
+             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s), pinned to as many cores "
+             "of its own; median of timed "
              "all-reduces between barriers, the slowest rank's",
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
              f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
@@ -164,12 +212,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
+        round_trip = round_trip_ns(tmp)
         started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
         mp.spawn(bench_rank, args=(args.procs, store, rows_file, args.sizes), nprocs=args.procs)
         seconds = time.monotonic() - started
         others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
         rows, native = torch.load(rows_file)
-        text = report(rows, native, args.procs, seconds, others)
+        text = report(rows, native, args.procs, seconds, others, round_trip)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)

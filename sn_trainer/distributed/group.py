@@ -260,14 +260,17 @@ class SnBackend(C10dBackend):
 
     def _submit(self, kind: str, run, tensors: list[torch.Tensor], opts) -> PendingWork:
         """``run`` on the group's channel; in the caller's thread if it is synchronous, small and first."""
-        inline = (opts is not None and not getattr(opts, "asyncOp", True)
+        inline = (opts is not None and not opts.asyncOp
                   and sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES)
         return self._channel.submit(run, tensors, kind, self._group, inline)
 
     def allreduce(self, tensors, opts=None):
-        op, timeout = self._op(opts), _timeout(opts)
-        return self._submit("all_reduce", lambda: [self._in_place(t, lambda t: self._collectives.all_reduce(
-            t, op, timeout)) for t in tensors], tensors, opts)
+        op, timeout, collectives = self._op(opts), _timeout(opts), self._collectives
+
+        def run():
+            for tensor in tensors:
+                self._in_place(tensor, lambda t: collectives.all_reduce(t, op, timeout))
+        return self._submit("all_reduce", run, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -332,6 +335,8 @@ class SnBackend(C10dBackend):
         """The name of the ``dist.ReduceOp`` in ``opts`` (SUM where none is given). One the backend does not
         have is refused in the call, as gloo refuses it, and breaks the group, so that every rank raises."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if op == dist.ReduceOp.SUM:  # the common case, first
+            return "SUM"
         for known, name in _OPS.items():
             if op == known:
                 return name
@@ -344,7 +349,7 @@ class SnBackend(C10dBackend):
 
     def _in_place(self, tensor: torch.Tensor, collective, copy_in: bool = True) -> None:
         """Run ``collective`` on ``tensor`` itself, or on a contiguous copy written back after."""
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             self._group.fail(f"sn: the 'sn' backend moves CPU tensors, rank {self._rank} gave one on "
                              f"{tensor.device}; use backend='cpu:sn,cuda:nccl' for accelerator tensors")
         if tensor.is_contiguous():

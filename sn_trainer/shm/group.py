@@ -26,7 +26,7 @@ OK, BROKEN, GONE, TIMEOUT, MISMATCH = range(5)  # native.c's status codes
 # Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its
 # core between polls (the peer it waits for may be queued for it), and after YIELD_S of that it sleeps on
 # the late peer's bell (a futex), waking to check the clock, its peers' liveness and the broken state.
-SPINS = 2000
+SPINS = 2000  # a few microseconds of polls in C
 YIELD_S = 0.002
 _SLEEP_S = 0.05
 _ARRIVAL, _PID, _NATIVE = 0, 2, 3

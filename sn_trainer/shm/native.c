@@ -98,7 +98,10 @@ int sn_wait(sn_group *g, int64_t deadline_ns) {
             if (a < generation && late < 0) late = r;
         }
         if (late < 0) return SN_OK;
-        if (++polls < g->spins) { __builtin_ia32_pause(); continue; }
+        /* No PAUSE in this loop: in a KVM guest a run of PAUSEs exits to the hypervisor (pause-loop exiting),
+         * which then may run something else than this rank (measured: 32 MB all-reduces 3-4x slower, at
+         * random); the workers are pinned to physical cores, so no SMT sibling is slowed by the loads. */
+        if (++polls < g->spins) continue;
         if (sn_gone(g, late)) { g->culprit = late; return SN_GONE; }
         int64_t now = now_ns();
         if (now > deadline_ns) { g->culprit = late; return SN_TIMEOUT; }
@@ -190,7 +193,7 @@ static uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN as torch wr
  * vectorisable loop; ``out`` may be rows[0]. */
 #define SUM_ROWS(NAME, T)                                                                                   \
     __attribute__((target_clones("avx512f", "avx2", "default")))                                           \
-    static void NAME(char **rows, int count, int64_t n, T *out, int mean) {                                                       \
+    static void NAME(char **rows, int count, int64_t n, T *out, int mean) {                                 \
         const T *a = (const T *)rows[0], *b = (const T *)rows[count > 1 ? 1 : 0];                            \
         if (count > 1) for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];                                 \
         else if ((const T *)out != a) memcpy(out, a, n * sizeof(T));                                        \
