@@ -68,7 +68,7 @@ def time_copy(tensor: torch.Tensor, group) -> tuple[float, float]:
     first = _slowest(_once(target, tensor), group)  # the same count of copies in every rank
     samples = []
     for _ in range(max(5, min(200, int(SECONDS_PER_CASE / 4 / max(1e-6, first))))):
-        dist.barrier(group=group)
+        dist.barrier()  # sn's: the closest start of the ranks' copies
         start = time.perf_counter()
         target.copy_(tensor)
         samples.append(time.perf_counter() - start)
@@ -88,11 +88,11 @@ def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) ->
     cores = sorted(os.sched_getaffinity(0))
     per_rank = max(1, len(cores) // procs)
     torch.set_num_threads(per_rank)
-    if len(cores) >= procs:  # each rank on cores of its own, as sn_trainer.launch places them
-        os.sched_setaffinity(0, cores[rank * per_rank : (rank + 1) * per_rank])
     dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=procs,
                             timeout=datetime.timedelta(seconds=300))
-    gloo = dist.new_group(backend="gloo")
+    gloo = dist.new_group(backend="gloo")  # its threads made now, before the pinning: the OS places them
+    if len(cores) >= procs:  # the calling thread, which runs sn's collectives, on cores of its own, as
+        os.sched_setaffinity(0, cores[rank * per_rank : (rank + 1) * per_rank])  # sn_trainer.launch pins ranks
     rows = []
     for size in sizes:
         tensor = torch.ones(size // 4)
@@ -174,8 +174,8 @@ def report(rows, native: bool, procs: int, seconds: float, others: float, round_
              f"- sn's collectives: {'the C core' if native else 'the Python path (no C core built)'}",
              f"- a cache line's round trip between the first and the last core: "
              f"{f'{round_trip:.0f} ns' if round_trip else 'not measured (no C compiler)'}, measured before the run",
-             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s), pinned to as many cores "
-             "of its own; median of timed "
+             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); the thread that runs sn's "
+             "collectives pinned to as many cores of its own, gloo's threads placed by the OS; median of timed "
              "all-reduces between barriers, the slowest rank's",
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
              f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",

@@ -1,8 +1,9 @@
-"""A torch.distributed backend named "sn": collectives among the processes of one node through shared memory.
+"""A torch.distributed backend named "sn": collectives among the processes of one machine through shared memory.
 
 ``import sn_trainer.distributed`` registers it; then ``torch.distributed.init_process_group("sn")``
-(or Lightning's ``DDPStrategy(process_group_backend="sn")``) uses it. Accelerate and transformers
-refuse the name on CPUs: there, a group made first with ``init_process_group("sn")`` is the one they use.
+(or Lightning's ``DDPStrategy(process_group_backend="sn")``) uses it. A program left as it is, on gloo
+(Accelerate and transformers accept no other name on CPUs), gets it from the launcher:
+``python -m sn_trainer.launch --cpu-backend=sn``.
 """
 from __future__ import annotations
 

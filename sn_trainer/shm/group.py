@@ -25,14 +25,16 @@ from .memory import Segment
 OK, BROKEN, GONE, TIMEOUT, MISMATCH = range(5)  # native.c's status codes
 # Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its
 # core between polls (the peer it waits for may be queued for it), and after YIELD_S of that it sleeps on
-# the late peer's bell (a futex), waking to check the clock, its peers' liveness and the broken state.
+# the late peer's bell (a futex), waking to check the clock, its peers' liveness and the broken state. A
+# training step's ranks wait for each other a few milliseconds at times: they keep yielding, and go on the
+# moment the peer arrives, where a sleeper would wait for the scheduler to wake it.
 SPINS = 2000  # a few microseconds of polls in C
-YIELD_S = 0.002
+YIELD_S = 0.05
 _SLEEP_S = 0.05
-_ARRIVAL, _PID, _NATIVE = 0, 2, 3
+_ARRIVAL, _PID, _NATIVE = 0, 2, 3  # int64 words of a rank's line (word 1: bell and sleepers, int32 each)
 # A rank publishes "my data is written" by a store to its arrival word; its peers rely on stores becoming
 # visible in program order, which x86-64 guarantees (total store order) to the Python path too.
-SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")  # int64 words of a rank's line (word 1: bell and sleepers, int32 each)
+SHM_SAFE = platform.machine().lower() in ("x86_64", "amd64")
 
 
 class Group:
