@@ -285,3 +285,34 @@ def test_a_group_across_two_machines_sums_in_each_then_between_them_exactly(tmp_
         for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):
             torch.testing.assert_close(sn, gloo, rtol=0, atol=1e-12)
             torch.testing.assert_close(sn, reference, rtol=0, atol=1e-12)
+
+
+def test_the_c_core_through_ctypes_as_where_no_python_headers_are_found(monkeypatch):
+    """One rank, in this process: each collective through the ctypes surface (a machine without Python's
+    headers builds the library without its CPython module) gives what the module gives."""
+    from sn_trainer.shm import native
+    from sn_trainer.shm.collectives import Collectives
+    from sn_trainer.shm.group import Group
+    from sn_trainer.shm.layout import Layout
+    from sn_trainer.shm.memory import Segment
+
+    monkeypatch.setitem(native._loaded, "lib", native._functions(native.build(), as_module=False))
+    layout = Layout(1, 2 * 64)
+    group = Group(Segment.create(layout.size), layout, 0, 1, 10.0, slot_bytes=64)
+    collectives = Collectives(group, 64)
+    try:
+        assert group.native.via == "ctypes"
+        values = torch.arange(40, dtype=torch.float64)  # several chunks of the 64-byte slots
+        collectives.all_reduce(values, "AVG")
+        collectives.broadcast(values, 0)
+        gathered = torch.empty(40, dtype=torch.float64)
+        collectives.all_gather(gathered, values)
+        scattered = torch.empty(40, dtype=torch.float64)
+        collectives.reduce_scatter(scattered, values, "SUM")
+        collectives.barrier()
+        assert torch.equal(gathered, torch.arange(40.0, dtype=torch.float64)) and torch.equal(scattered, gathered)
+        with pytest.raises(Exception, match="root 3 is not a rank"):
+            collectives.broadcast(values, 3)
+    finally:
+        collectives.close()
+        group.close()

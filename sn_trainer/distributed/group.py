@@ -260,8 +260,9 @@ class SnBackend(C10dBackend):
 
     def _submit(self, kind: str, run, tensors: list[torch.Tensor], opts) -> PendingWork:
         """``run`` on the group's channel; in the caller's thread if it is synchronous, small and first."""
-        inline = (opts is not None and not opts.asyncOp
-                  and sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES)
+        inline = opts is not None and not opts.asyncOp and (
+            tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES if len(tensors) == 1
+            else sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES)
         return self._channel.submit(run, tensors, kind, self._group, inline)
 
     def allreduce(self, tensors, opts=None):
@@ -269,7 +270,10 @@ class SnBackend(C10dBackend):
 
         def run():
             for tensor in tensors:
-                self._in_place(tensor, lambda t: collectives.all_reduce(t, op, timeout))
+                if tensor.is_cpu and tensor.is_contiguous():  # the common case, without a closure
+                    collectives.all_reduce(tensor, op, timeout)
+                else:
+                    self._in_place(tensor, lambda t: collectives.all_reduce(t, op, timeout))
         return self._submit("all_reduce", run, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -392,8 +396,13 @@ for _name in GLOO_OPERATIONS:
 def _timeout(opts) -> float | None:
     """The collective's own timeout in seconds, where its options set one (else the group's)."""
     timeout = getattr(opts, "timeout", None)
-    seconds = timeout.total_seconds() if timeout is not None else -1
+    if timeout is None or timeout == _UNSET:
+        return None
+    seconds = timeout.total_seconds()
     return seconds if seconds > 0 else None
+
+
+_UNSET = dist.AllreduceOptions().timeout  # what options hold where no timeout was set
 
 
 def create_sn_group(store, rank: int, size: int, timeout: datetime.timedelta) -> SnBackend:

@@ -56,7 +56,7 @@ class Group:
                                  slots=base + layout.data_offset, slot_bytes=slot_bytes, line_bytes=LINE_BYTES,
                                  mutex_bytes=MUTEX_BYTES, header_words=HEADER_WORDS, spins=SPINS,
                                  yield_ns=int(YIELD_S * 1e9), world=world, rank=rank)
-        self.pointer = ctypes.pointer(self.state)  # what the C core's functions take
+        self.pointer = ctypes.addressof(self.state)  # what the C core's functions take (the struct stays alive)
         liveness.init(self._mutex(rank))
         self._holder = liveness.Holder(self._mutex(rank))
         self._lines[rank, _PID] = os.getpid()

@@ -1,8 +1,8 @@
 /* The shared-memory core's hot paths in C: the barrier, and the chunk loops of the collectives that move
  * floats and bytes (all_reduce and reduce_scatter of SUM and AVG, broadcast, all_gather, the rows' sum).
  *
- * Built by sn_trainer/shm/native.py with the machine's C compiler and called through ctypes (which
- * releases the GIL for each call). Everything here has a Python twin in shm/group.py and
+ * Built by sn_trainer/shm/native.py with the machine's C compiler; called as a CPython module where
+ * Python's headers were found, else through ctypes (either way without the GIL). Everything here has a Python twin in shm/group.py and
  * shm/collectives.py, which runs where no compiler is found: both follow one protocol on one layout,
  * which shm/layout.py defines, and give the same bits.
  *
@@ -339,3 +339,51 @@ int sn_collective_barrier(sn_group *g, int64_t kind, int64_t header_dtype, int64
 void sn_sum_rows(char *rows, int64_t stride, int count, int64_t start, int64_t n, int dtype, char *out) {
     combine(dtype, rows, stride, count, start, n, out, 0);
 }
+
+#ifdef SN_PYTHON_MODULE
+/* The same functions as a CPython module of this library (built where Python's headers are found): a call
+ * through it costs a tenth of a ctypes call, which is most of a small collective's time. Each takes
+ * integers only (addresses, sizes, codes), as through ctypes, and releases the GIL while it runs. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static int integers(PyObject *const *args, Py_ssize_t given, Py_ssize_t wanted, int64_t *out) {
+    if (given != wanted) {
+        PyErr_Format(PyExc_TypeError, "%zd arguments given, %zd wanted", given, wanted);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < given; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+#define WRAP(NAME, COUNT, CALL)                                                                             \
+    static PyObject *py_##NAME(PyObject *self, PyObject *const *args, Py_ssize_t given) {                  \
+        (void)self;                                                                                          \
+        int64_t a[COUNT];                                                                                    \
+        if (integers(args, given, COUNT, a)) return NULL;                                                    \
+        int rc;                                                                                              \
+        Py_BEGIN_ALLOW_THREADS rc = CALL;                                                                    \
+        Py_END_ALLOW_THREADS return PyLong_FromLong(rc);                                                     \
+    }
+#define G ((sn_group *)a[0])
+WRAP(sn_barrier, 2, sn_barrier(G, a[1]))
+WRAP(sn_all_reduce, 10, sn_all_reduce(G, (char *)a[1], a[2], (int)a[3], (int)a[4], a[5], a[6], a[7], a[8], a[9]))
+WRAP(sn_reduce_scatter, 10, sn_reduce_scatter(G, (const char *)a[1], (char *)a[2], a[3], (int)a[4], (int)a[5], a[6],
+                                               a[7], a[8], a[9]))
+WRAP(sn_broadcast, 8, sn_broadcast(G, (char *)a[1], a[2], (int)a[3], a[4], a[5], a[6], a[7]))
+WRAP(sn_all_gather, 8, sn_all_gather(G, (const char *)a[1], (char *)a[2], a[3], a[4], a[5], a[6], a[7]))
+WRAP(sn_collective_barrier, 4, sn_collective_barrier(G, a[1], a[2], a[3]))
+WRAP(sn_sum_rows, 7, (sn_sum_rows((char *)a[0], a[1], (int)a[2], a[3], a[4], (int)a[5], (char *)a[6]), 0))
+#undef G
+
+#define METHOD(NAME) {#NAME, (PyCFunction)(void (*)(void))py_##NAME, METH_FASTCALL, NULL}
+static PyMethodDef methods[] = {METHOD(sn_barrier), METHOD(sn_all_reduce), METHOD(sn_reduce_scatter),
+                                METHOD(sn_broadcast), METHOD(sn_all_gather), METHOD(sn_collective_barrier),
+                                METHOD(sn_sum_rows), {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "sn_native", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_sn_native(void) { return PyModule_Create(&module); }
+#endif
