@@ -29,7 +29,9 @@ def test_a_busy_machine_is_said_in_the_table():
     rows = {"lenet b64": {v: [100.0, 120.0] for v in ddp_bench.VARIANTS}}
     report = {"machine": machine, "nproc": 2, "rounds": 2, "steps": 5, "warmup": 1, "command": "c", "rows": rows,
               "placement": {}, "load": {"wall_seconds": 10, "machine_cpu_seconds": 20, "others_cpu_seconds": 10,
-                                        "others_share": 0.5}}
+                                        "others_share": 0.5},
+              "aborted_at_exit": {v: 0 for v in ddp_bench.VARIANTS if v != "trainer"} | {"launch_gloo": 1}}
     text = ddp_bench.markdown(report)
     assert "other processes used 10 CPU s of the 20" in text and "cannot judge one variant against another" in text
     assert "| lenet b64 | 110 [100-120] |" in text
+    assert "sn_trainer.launch + gloo 1 of 2" in text and "torchrun + gloo 0 of 2" in text  # an abort at exit is counted, not hidden
