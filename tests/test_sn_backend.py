@@ -296,6 +296,7 @@ def test_the_c_core_through_ctypes_as_where_no_python_headers_are_found(monkeypa
     from sn_trainer.shm.layout import Layout
     from sn_trainer.shm.memory import Segment
 
+    monkeypatch.setenv("SN_TRAINER_NATIVE", "1")  # this test is the C core's, in the portable-kernels pass too
     monkeypatch.setitem(native._loaded, "lib", native._functions(native.build(), as_module=False))
     layout = Layout(1, 2 * 64)
     group = Group(Segment.create(layout.size), layout, 0, 1, 10.0, slot_bytes=64)
