@@ -29,6 +29,7 @@ from ..engine.phases import PhaseSpec
 from ..engine.schedule import Schedule
 from ..engine.state import group_params
 from ..errors import ConfigError, InputError, UserCodeError
+from ..optim import refuse_unrunnable
 from . import loss_probe
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
@@ -180,8 +181,8 @@ def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
         return None, (), None
     built = _attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
         params, range(len(params)), phase.group_options, phase.slot_groups)))
-    if _needs_closure(type(built)):
-        return type(built), (), None
+    # Refused here, before its step (SparseAdam's raises on dense gradients), at every worker count.
+    refuse_unrunnable(type(built))
     # The scheduler is built before the step, as a training loop builds it (after, torch would
     # warn that the scheduler stepped before the optimizer).
     schedule = _attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
@@ -210,10 +211,6 @@ def rehearse_in_worker(s: Rehearsal, send) -> dict[str, Any]:
         return {"error": str(exc)}
     except ConfigError as exc:
         return {"refusal": str(exc)}
-
-
-def _needs_closure(optimizer_class: type) -> bool:
-    return issubclass(optimizer_class, torch.optim.LBFGS)  # refused by the caller, with the reason
 
 
 def _attempt(what: str, fn):

@@ -333,8 +333,20 @@ def _check_one_order(source: Source, count: int, seed: int) -> None:
 
 
 def _check_model(model: nn.Module) -> None:
+    """A model sn_trainer can train: some trainable parameter, and only dense gradients.
+
+    Raises:
+        ConfigError: no trainable parameter; an embedding built with sparse=True (its gradient is a
+            sparse tensor, which the flat gradient buffers and the loss probe cannot hold).
+    """
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+            raise ConfigError(f"the model's {type(module).__name__} {name or '(the model itself)'!r} is built with "
+                              "sparse=True, and sn_trainer trains dense gradients only: build it with sparse=False "
+                              "(dense gradients), and use a dense optimizer such as Adam or AdamW instead of "
+                              "SparseAdam")
     if not any(module.training for module in model.modules()):
         log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
                     "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
