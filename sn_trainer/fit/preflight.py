@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import TrainerConfig
-from ..data.batching import in_layout
+from ..data.batching import COLLATE_NOTE, in_layout
 from ..data.source import Source
 from ..engine import metric_states, random_state
 from ..engine.gather import Gathering, gathering
@@ -72,6 +72,7 @@ class Rehearsal:
     probe_singles: list[Any] = field(default_factory=list)
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
     splits: bool = True  # the run splits a step's batch (workers or accumulate): how the loss splits matters
+    probe_unit: int = 1  # samples in each of probe_singles (a worker's micro-batch, with a collate_fn of the user's)
 
 
 def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
@@ -95,9 +96,16 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
                 batch = _attempt("reading a training batch", lambda: train.first(train_samples))
             draws = moved()
         probed = train if train is not None else evaluation
-        group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
+        # A collate_fn of the user's is called only with what a worker gets (never one sample: a
+        # Mixup collate asserts an even batch); the loss probe compares parts of that size.
+        unit = 1
+        if getattr(probed, "collate_fn", None) is not None:  # a Source of the user's may have none
+            unit = max(1, train_samples if train is not None else eval_samples)
+            unit = min(unit, probed.size) if probed.size is not None else unit
+        group, singles = _attempt("reading samples", lambda: probed.probe(max(PROBE_SAMPLES, 2 * unit), unit)
+                                  if unit > 1 else probed.probe(PROBE_SAMPLES))
     return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
-                     singles, draws, splits)
+                     singles, draws, splits, unit)
 
 
 def rehearse(s: Rehearsal) -> Findings:
@@ -163,13 +171,14 @@ def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) 
         return loss_probe.Finding(MEAN)
     group = in_layout(s.probe_group, s.settings.channels_last)
     singles = [in_layout(b, s.settings.channels_last) for b in s.probe_singles]
+    at_a_time = "one sample" if s.probe_unit == 1 else f"{s.probe_unit} samples"
     if not s.splits or s.settings.split == "like_ddp":
         try:
             with random_state.kept():
                 return loss_probe.measure(objective, replica, group, singles)
         except Exception as exc:  # noqa: BLE001 - the training step itself ran above: this only measures
-            return loss_probe.Finding(None, f"not measured: on one sample at a time it raised {type(exc).__name__}")
-    return _attempt(f"{prefix}measuring how the loss splits over samples (one sample at a time)",
+            return loss_probe.Finding(None, f"not measured: on {at_a_time} at a time it raised {type(exc).__name__}")
+    return _attempt(f"{prefix}measuring how the loss splits over samples ({at_a_time} at a time)",
                     lambda: loss_probe.measure(objective, replica, group, singles))
 
 
@@ -222,5 +231,6 @@ def _attempt(what: str, fn):
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         # Drop this module's own frames: the user's code starts below them.
         kept = [f for f in frames if __file__ not in f]
-        raise UserCodeError(f"{what} failed before any worker started: {type(exc).__name__}: {exc}\n"
+        said = [note + ": " for note in getattr(exc, "__notes__", ()) if note.startswith(COLLATE_NOTE)][:1]
+        raise UserCodeError(f"{what} failed before any worker started: {''.join(said)}{type(exc).__name__}: {exc}\n"
                             + "".join(kept).rstrip()) from None
