@@ -95,23 +95,31 @@ def even_batches_only(items):
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
+def mean_step(model, batch):
+    """A scalar per-sample mean: the probe measures it (part against part), then looks for ignored labels."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_collate_fn_is_called_with_what_a_worker_gets(workers):
     """Never with one sample (which training never does): the rehearsal collates worker micro-batches
-    of 8 // workers, and training is the plain loop's."""
+    of 8 // workers (27 samples: never a short rest, when it looks for ignored labels either), and
+    training is the plain loop's."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).double()
-    data = Pairs()
+    data = Pairs(27)
     reference = copy.deepcopy(model)
     optimizer = SGD(reference.parameters())
     sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3 * 1_000_003))
     for _, (x, y) in zip(range(3), DataLoader(data, batch_size=8, sampler=sampler, drop_last=True,
                                               collate_fn=even_batches_only)):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        mean_step(reference, (x, y)).backward()
         optimizer.step()
-    Trainer(workers=workers, batch_size=8, max_steps=3, seed=3).fit(model, data, optimizer=SGD,
-                                                                    collate_fn=even_batches_only)
+    result = Trainer(workers=workers, batch_size=8, max_steps=3, seed=3).fit(
+        model, data, optimizer=SGD, step_fn=mean_step, collate_fn=even_batches_only)
+    assert result.plan["loss_form"] == "mean"
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
 

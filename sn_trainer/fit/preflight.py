@@ -87,13 +87,13 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         UserCodeError: a dataset failed to give them.
     """
     with random_state.kept():  # the caller's random streams stay as they were
-        eval_batch = _attempt("reading an evaluation batch",
+        eval_batch = attempt("reading an evaluation batch",
                               lambda: next(evaluation.eval_chunks(0, 1, eval_samples, 1))[0]) \
             if evaluation is not None else None
         draws, batch = False, None
         if train is not None:
             with random_state.kept() as moved:
-                batch = _attempt("reading a training batch", lambda: train.first(train_samples))
+                batch = attempt("reading a training batch", lambda: train.first(train_samples))
             draws = moved()
         probed = train if train is not None else evaluation
         # A collate_fn of the user's is called only with what a worker gets (never one sample: a
@@ -102,7 +102,7 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         if getattr(probed, "collate_fn", None) is not None:  # a Source of the user's may have none
             unit = max(1, train_samples if train is not None else eval_samples)
             unit = min(unit, probed.size) if probed.size is not None else unit
-        group, singles = _attempt("reading samples", lambda: probed.probe(max(PROBE_SAMPLES, 2 * unit), unit)
+        group, singles = attempt("reading samples", lambda: probed.probe(max(PROBE_SAMPLES, 2 * unit), unit)
                                   if unit > 1 else probed.probe(PROBE_SAMPLES))
     return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
                      singles, draws, splits, unit)
@@ -126,9 +126,9 @@ def rehearse(s: Rehearsal) -> Findings:
         prefix = f"phase {phase.name!r}: " if len(s.phases) > 1 else ""
         if s.train_batch is not None:
             batch = in_layout(s.train_batch, channels_last)
-            loss_sum, _ = _attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
+            loss_sum, _ = attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
                                    lambda: phase.objective.train_terms(replica, batch, s.train_samples, how, dtype))
-            _attempt(f"{prefix}the backward pass", loss_sum.backward)
+            attempt(f"{prefix}the backward pass", loss_sum.backward)
         finding = _probe(s, phase.objective, replica, prefix)
         phase.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
         optimizer_class, state_keys, monitor = _optimizer_step(phase, params, prefix) \
@@ -145,7 +145,7 @@ def rehearse(s: Rehearsal) -> Findings:
         batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
         with gathering(Gathering()) as seen:
-            found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
+            found = attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                              lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys, eval_gathers = tuple(found), seen.calls > 0
         templates = {name: _metric_template(name, value) for name, value in found.items()
@@ -159,7 +159,7 @@ def _metric_template(name: str, metric) -> Any:
     what = f"metric_fn's {name!r}"
     with warnings.catch_warnings():  # what a few samples lack (a class, a positive) says nothing of the set
         warnings.simplefilter("ignore")
-        _attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
+        attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
     metric.reset()
     return metric_states.fresh(metric)
 
@@ -178,7 +178,7 @@ def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) 
                 return loss_probe.measure(objective, replica, group, singles)
         except Exception as exc:  # noqa: BLE001 - the training step itself ran above: this only measures
             return loss_probe.Finding(None, f"not measured: on {at_a_time} at a time it raised {type(exc).__name__}")
-    return _attempt(f"{prefix}measuring how the loss splits over samples ({at_a_time} at a time)",
+    return attempt(f"{prefix}measuring how the loss splits over samples ({at_a_time} at a time)",
                     lambda: loss_probe.measure(objective, replica, group, singles))
 
 
@@ -188,15 +188,15 @@ def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
     scheduler steps on (the scheduler is stepped at each of its points once)."""
     if phase.optimizer is None:
         return None, (), None
-    built = _attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
+    built = attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
         params, range(len(params)), phase.group_options, phase.slot_groups)))
     # Refused here, before its step (SparseAdam's raises on dense gradients), at every worker count.
     refuse_unrunnable(type(built))
     # The scheduler is built before the step, as a training loop builds it (after, torch would
     # warn that the scheduler stepped before the optimizer).
-    schedule = _attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
+    schedule = attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
         if phase.scheduler is not None else None
-    _attempt(f"{prefix}the optimizer's step", built.step)
+    attempt(f"{prefix}the optimizer's step", built.step)
     monitor = None
     if schedule is not None:
         monitor = schedule.monitor if schedule.needs_metric else None
@@ -206,7 +206,7 @@ def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
             schedule.after_evaluation(stand_in)
             schedule.after_epoch(1, stand_in)
 
-        _attempt(f"{prefix}stepping the scheduler", every_point)
+        attempt(f"{prefix}stepping the scheduler", every_point)
     return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held})), monitor
 
 
@@ -222,7 +222,13 @@ def rehearse_in_worker(s: Rehearsal, send) -> dict[str, Any]:
         return {"refusal": str(exc)}
 
 
-def _attempt(what: str, fn):
+def attempt(what: str, fn):
+    """``fn()``; what the user's code raises in it becomes a UserCodeError saying ``what`` failed
+    (and, where a collate_fn raised, with how many samples), with the user's traceback.
+
+    Raises:
+        UserCodeError: ``fn`` raised anything but sn_trainer's own refusals (said as they are).
+    """
     try:
         return fn()
     except (InputError, ConfigError):  # sn_trainer's own one-line refusals (a file it cannot read, a metric
