@@ -310,7 +310,8 @@ class SparseBag(nn.Module):
 
 def token_classes(n: int = 16):
     g = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randint(0, 7, (n, 3), generator=g), torch.randint(0, 3, (n,), generator=g))
+    ids, classes = torch.randint(0, 7, (n, 3), generator=g), torch.randint(0, 3, (n,), generator=g)
+    return torch.utils.data.TensorDataset(ids, classes)
 
 
 @pytest.fixture
