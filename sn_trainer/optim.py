@@ -20,9 +20,22 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 # Optimizers whose update of a tensor depends only on that whole tensor (factored moments, a
 # norm per tensor): each worker may step whole tensors. Proven by a test too.
 PER_TENSOR = (torch.optim.Adafactor,)
-# Refused: they need what a sharded step cannot give.
-REFUSED = {torch.optim.LBFGS: "it re-evaluates the loss through a closure, several times a step",
-           torch.optim.SparseAdam: "it needs sparse gradients, and sn_trainer's gradients are dense"}
+# Refused: they need what a sharded step cannot give. Each with what to use instead.
+REFUSED = {torch.optim.LBFGS: "it re-evaluates the loss through a closure, several times a step; use an optimizer "
+                              "whose step() needs no closure (SGD, AdamW, Adafactor...)",
+           torch.optim.SparseAdam: "it needs sparse gradients, and sn_trainer trains dense ones; use Adam or AdamW, "
+                                   "with every embedding built with sparse=False"}
+
+
+def refuse_unrunnable(optimizer_class: type) -> None:
+    """Refuse an optimizer class sn_trainer cannot run, whatever the worker count.
+
+    Raises:
+        ConfigError: LBFGS, SparseAdam (or a subclass), with what to use instead.
+    """
+    for refused, why in REFUSED.items():
+        if issubclass(optimizer_class, refused):
+            raise ConfigError(f"{optimizer_class.__name__} cannot train with sn_trainer: {why}")
 
 
 def shard_kind(optimizer_class: type, asked: str) -> str:
@@ -36,10 +49,7 @@ def shard_kind(optimizer_class: type, asked: str) -> str:
     Raises:
         ConfigError: an optimizer sn_trainer cannot run (LBFGS, SparseAdam).
     """
-    for refused, why in REFUSED.items():
-        if issubclass(optimizer_class, refused):
-            raise ConfigError(f"{optimizer_class.__name__} cannot train with sn_trainer: {why}; use an optimizer "
-                              "whose step() needs no closure (SGD, AdamW, Adafactor...)")
+    refuse_unrunnable(optimizer_class)
     if asked != "auto":
         return asked
     # Exact classes only: a subclass may change what its step looks at.

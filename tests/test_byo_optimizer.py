@@ -293,3 +293,60 @@ def test_gloo_buckets_sync_batchnorm_and_a_branch_one_worker_takes_agree_with_sh
             model, tiny_dataset(dtype=F64), optimizer=SGD_PLAIN)
         results.append(model)
     assert_exact(results[1], results[0])
+
+
+class SparseBag(nn.Module):
+    """Token ids into a sparse-gradient embedding bag, then a linear classifier."""
+
+    def __init__(self, sparse: bool = True):
+        super().__init__()
+        self.body = nn.Module()
+        self.body.bag = nn.EmbeddingBag(7, 4, sparse=sparse)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.fc(self.body.bag(ids))
+
+
+def token_classes(n: int = 16):
+    g = torch.Generator().manual_seed(1)
+    ids, classes = torch.randint(0, 7, (n, 3), generator=g), torch.randint(0, 3, (n,), generator=g)
+    return torch.utils.data.TensorDataset(ids, classes)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if the Trainer launches its training workers."""
+    from sn_trainer.fit import session
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was launched")
+
+    monkeypatch.setattr(session, "launch", refuse)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sparse_gradient_is_refused_in_one_line_naming_the_module(workers, no_launch, monkeypatch, no_leaks):
+    from sn_trainer.fit import resolve
+
+    # Refused from the model alone: not even the rehearsal (which runs the model) is reached.
+    monkeypatch.setattr(resolve, "launch", lambda *a, **k: pytest.fail("the rehearsal was launched"))
+    monkeypatch.setattr(resolve.preflight, "rehearse", lambda *a, **k: pytest.fail("the rehearsal ran"))
+    with pytest.raises(ConfigError) as raised:
+        Trainer(workers=workers, batch_size=8, max_steps=2).fit(
+            SparseBag(), token_classes(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "'body.bag'" in message and "EmbeddingBag" in message and "sparse=True" in message
+    assert "sparse=False" in message and "SparseAdam" in message
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sparse_adam_is_refused_at_every_worker_count(workers, no_launch, no_leaks):
+    with pytest.raises(ConfigError) as raised:
+        Trainer(workers=workers, batch_size=8, max_steps=2).fit(
+            SparseBag(sparse=False), token_classes(), optimizer=functools.partial(torch.optim.SparseAdam, lr=0.1))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("SparseAdam cannot train with sn_trainer: it needs sparse gradients")
+    assert "Adam" in message and "AdamW" in message and "sparse=False" in message and "closure" not in message

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from sn_trainer import Trainer
+from sn_trainer import Trainer, UserCodeError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,3 +73,64 @@ def test_variable_length_samples_padded_by_a_collate_train_exactly(workers):
     with torch.no_grad():
         expected = reference.eval()(**evaluation).loss.item()
     assert result.eval_loss == pytest.approx(expected, rel=1e-6)  # the global token mean, across chunks
+
+
+class Pairs(Dataset):
+    """Float64 features and a class: a tiny classification set."""
+
+    def __init__(self, n: int = 24):
+        g = torch.Generator().manual_seed(5)
+        self.x, self.y = torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def even_batches_only(items):
+    """A collate that, like timm's Mixup collate, takes only even batches."""
+    assert len(items) % 2 == 0, f"batch size should be even, got {len(items)}"
+    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def mean_step(model, batch):
+    """A scalar per-sample mean: the probe measures it (part against part), then looks for ignored labels."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_collate_fn_is_called_with_what_a_worker_gets(workers):
+    """Never with one sample (which training never does): the rehearsal collates worker micro-batches
+    of 8 // workers (27 samples: never a short rest, when it looks for ignored labels either), and
+    training is the plain loop's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    data = Pairs(27)
+    reference = copy.deepcopy(model)
+    optimizer = SGD(reference.parameters())
+    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3 * 1_000_003))
+    for _, (x, y) in zip(range(3), DataLoader(data, batch_size=8, sampler=sampler, drop_last=True,
+                                              collate_fn=even_batches_only)):
+        optimizer.zero_grad()
+        mean_step(reference, (x, y)).backward()
+        optimizer.step()
+    result = Trainer(workers=workers, batch_size=8, max_steps=3, seed=3).fit(
+        model, data, optimizer=SGD, step_fn=mean_step, collate_fn=even_batches_only)
+    assert result.plan["loss_form"] == "mean"
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def never_collates(items):
+    raise ValueError("cannot batch these")
+
+
+def test_a_collate_fn_that_raises_is_named_with_its_sample_count():
+    with pytest.raises(UserCodeError) as raised:
+        Trainer(workers=2, batch_size=8, max_steps=2).fit(torch.nn.Linear(4, 3).double(), Pairs(), optimizer=SGD,
+                                                          collate_fn=never_collates)
+    headline = str(raised.value).splitlines()[0]
+    assert "collate_fn raised, called with 4 samples" in headline and "cannot batch these" in headline

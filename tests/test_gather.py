@@ -218,14 +218,29 @@ def test_a_last_micro_batch_smaller_than_the_workers_is_refused():
 
 
 def gathered_pair(model, batch):
-    loss = simclr_step(model, batch)
-    return loss * 12, 12
+    """simclr_step's loss as (loss_sum, count) over the gathered batch: its rows, both views."""
+    view1, view2 = batch
+    z1, z2 = sn_trainer.gather(model.encoder(view1)), sn_trainer.gather(model.encoder(view2))
+    z = F.normalize(torch.cat([z1, z2]), dim=1)
+    n = z1.shape[0]
+    similarity = (z @ z.T / model.log_temperature.exp()).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return F.cross_entropy(similarity, positives, reduction="sum"), torch.tensor(2 * n)
 
 
-def test_a_gathered_step_returning_a_pair_is_refused():
-    with pytest.raises(ConfigError, match=r"return the loss over the gathered batch as a scalar"):
-        Trainer(workers=2, batch_size=12, max_steps=2).fit(SimCLR().double(), two_views(24), optimizer=SGD,
-                                                          step_fn=gathered_pair)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_gathered_step_returning_loss_sum_and_count_trains_as_its_scalar_mean(workers):
+    """(loss_sum, count) over the gathered batch is the scalar loss_sum / count: the same run."""
+    torch.manual_seed(0)
+    model, data = SimCLR().double(), two_views(24)
+    scalar = copy.deepcopy(model)
+    Trainer(workers=workers, batch_size=12, max_steps=3, seed=3).fit(scalar, data, optimizer=SGD, step_fn=simclr_step)
+    result = Trainer(workers=workers, batch_size=12, max_steps=3, seed=3).fit(model, data, optimizer=SGD,
+                                                                              step_fn=gathered_pair)
+    assert result.plan["loss_form"] == "gathered"
+    # Bitwise where it was written; 1e-12 leaves room for a kernel whose mean rounds unlike sum / count.
+    assert_exact(model, scalar, rtol=1e-12, atol=1e-12)
+    assert model.log_temperature.item() != pytest.approx(-0.7)  # it trained
 
 
 def with_a_term_of_its_own_slice(model, batch):

@@ -214,6 +214,24 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, flags, says):
     assert rc == 2 and err.startswith(says) and len(err.strip().splitlines()) == 1, err
 
 
+def test_everything_after_the_script_is_the_scripts_and_launcher_flags_are_never_abbreviated(capsys):
+    """Parsing only: no process starts. torchrun's parser takes abbreviations (argparse's default),
+    so a script's --n was refused as ambiguous and --no-p could become --no-pin; the launcher's
+    takes none: after the script every argument is the script's, before it a launcher flag is
+    spelled out or refused in one line."""
+    from sn_trainer.launch.__main__ import parser
+
+    args = parser().parse_args(["--nproc-per-node=2", "train.py", "--n", "3", "--no-pin", "--nproc=4"])
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--n", "3", "--no-pin", "--nproc=4"]
+    assert args.pin is True and args.nproc_per_node == "2"
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["--nproc=2", "train.py"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: unrecognized arguments: --nproc=2")
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("how", ["module", "no-python", "run-path"])  # a script: the tests above
 def test_every_way_torchrun_runs_a_program_is_pinned(tmp_path, how):
     write(tmp_path, "probe.py", """

@@ -19,12 +19,25 @@ def fetch_batch(dataset: Dataset, indices: torch.Tensor, collate_fn: Callable[[l
     vectorised index, and any other map-style dataset is read item by item and collated.
     """
     if collate_fn is not None:
-        return collate_fn([dataset[int(i)] for i in indices])
+        return collate(collate_fn, [dataset[int(i)] for i in indices])
     if hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
     return default_collate([dataset[int(i)] for i in indices])
+
+
+def collate(collate_fn: Callable[[list], Any], items: list) -> Any:
+    """``collate_fn(items)``; what it raises carries a note saying so, and with how many samples
+    (a collate that takes only some batch sizes fails on the count, not on the data)."""
+    try:
+        return collate_fn(items)
+    except Exception as exc:
+        exc.add_note(f"{COLLATE_NOTE}{len(items)} samples")
+        raise
+
+
+COLLATE_NOTE = "collate_fn raised, called with "  # how the note begins: the rehearsal's error line quotes it
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

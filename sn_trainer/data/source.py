@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError, DataError
-from .batching import fetch_batch, share_dataset
+from .batching import collate, fetch_batch, share_dataset
 from .digest import ItemDigest
 from .sampler import GlobalBatches, slice_bounds, steps_per_epoch
 
@@ -65,8 +65,11 @@ class Source(Protocol):
     def first(self, samples: int) -> Any:
         """The first ``samples`` items, collated (what the rehearsal trains on)."""
 
-    def probe(self, count: int) -> tuple[Any, list[Any]]:
-        """``count`` samples collated together, and each alone (what the loss probe compares)."""
+    def probe(self, count: int, unit: int = 1) -> tuple[Any, list[Any]]:
+        """At most ``count`` samples collated together, and in parts of ``unit`` (each alone with
+        1): what the loss probe compares. Only whole parts are read: the batch is as many samples
+        as the parts hold. A source with a ``collate_fn`` of the user's is asked for parts of
+        a worker's micro-batch; any other, for single samples."""
 
     def first_item(self) -> Any:
         """The first item (None: there is none)."""
@@ -94,7 +97,12 @@ class Source(Protocol):
 
 
 def _collate(items: list, collate_fn) -> Any:
-    return collate_fn(items) if collate_fn is not None else default_collate(items)
+    return collate(collate_fn, items) if collate_fn is not None else default_collate(items)
+
+
+def _parts(count: int, unit: int) -> list[tuple[int, int]]:
+    """Bounds of the whole parts of ``unit`` in ``count`` positions (a short rest left out)."""
+    return [(lo, lo + unit) for lo in range(0, count - unit + 1, unit)]
 
 
 class _EpochTeller:
@@ -157,11 +165,13 @@ class IndexSource:
     def first(self, samples: int) -> Any:
         return fetch_batch(self.dataset, torch.arange(min(samples, self.size)), self.collate_fn)
 
-    def probe(self, count: int) -> tuple[Any, list[Any]]:
+    def probe(self, count: int, unit: int = 1) -> tuple[Any, list[Any]]:
         """Samples spread over the dataset."""
         picked = torch.linspace(0, self.size - 1, min(count, self.size)).round().long().unique()
+        parts = _parts(len(picked), unit)
+        picked = picked[: parts[-1][1]] if parts else picked
         return (fetch_batch(self.dataset, picked, self.collate_fn),
-                [fetch_batch(self.dataset, picked[i : i + 1], self.collate_fn) for i in range(len(picked))])
+                [fetch_batch(self.dataset, picked[lo:hi], self.collate_fn) for lo, hi in parts])
 
     def first_item(self) -> Any:
         return self.dataset[0] if self.size else None
@@ -322,9 +332,11 @@ class StreamSource:
     def first(self, samples: int) -> Any:
         return _collate(self._head(samples), self.collate_fn)
 
-    def probe(self, count: int) -> tuple[Any, list[Any]]:
+    def probe(self, count: int, unit: int = 1) -> tuple[Any, list[Any]]:
         items = self._head(count)  # a stream is read in order: its first items
-        return _collate(items, self.collate_fn), [_collate([item], self.collate_fn) for item in items]
+        parts = _parts(len(items), unit)
+        items = items[: parts[-1][1]] if parts else items
+        return _collate(items, self.collate_fn), [_collate(items[lo:hi], self.collate_fn) for lo, hi in parts]
 
     def first_item(self) -> Any:
         head = self._head(1)

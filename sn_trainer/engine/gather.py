@@ -38,8 +38,9 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     """The global batch's ``tensor``: each worker's slice (dimension 0), worker 0's first, in sample order.
 
     Call it inside ``step_fn`` on what the step computed from its slice (embeddings, logits),
-    then compute the loss over the whole batch from what it returns and return that scalar: every
-    worker computes the same loss, and the step's gradient is that loss's, exactly. Gradients
+    then compute the loss over the whole batch from what it returns and return that scalar, or
+    ``(loss_sum, count)`` over the whole batch (its loss is ``loss_sum / count``): every worker
+    computes the same loss, and the step's gradient is that loss's, exactly. Gradients
     flow back to each worker's own slice. Outside sn_trainer (a plain loop) and with one worker
     it returns ``tensor`` itself. Floating tensors keep their gradient; integer and bool tensors
     (labels) are gathered without one.

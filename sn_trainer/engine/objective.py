@@ -144,8 +144,10 @@ class Objective:
         """A loss value as ``(loss_sum, count)``, by its form."""
         if self.form == GATHERED:
             if isinstance(value, (tuple, list)):
-                raise TypeError(f"{self.what} calls sn_trainer.gather and returned a {type(value).__name__}; return "
-                                "the loss over the gathered batch as a scalar (loss_sum / count)")
+                # Over the gathered batch, every worker holds the global batch's sum and count: its
+                # loss is their quotient, exactly the scalar the user could have returned.
+                loss_sum, count = terms(value, samples, self.what)
+                value = loss_sum / count if count else loss_sum  # nothing counted: a sum of nothing, no gradient
             return gather.current().terms(_scalar(value, self.what), samples)
         if isinstance(value, (tuple, list)):
             return terms(value, samples, self.what)

@@ -215,10 +215,8 @@ def _holds_ignored(batch: Any) -> bool:
 
 
 def _gathered(value: Any, objective: Objective) -> Finding:
-    """A step that calls sn_trainer.gather: its scalar is the loss over the global batch."""
-    if isinstance(value, (tuple, list)):
-        return Finding(None, "it calls sn_trainer.gather and returns (loss_sum, count); return the loss over the "
-                             "gathered batch as a scalar (loss_sum / count)")
+    """A step that calls sn_trainer.gather: its scalar, or its (loss_sum, count) (``loss_sum /
+    count``), is the loss over the global batch."""
     return Finding(GATHERED, f"{objective.what} calls sn_trainer.gather: a loss over the global batch")
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import TrainerConfig
-from ..data.batching import in_layout
+from ..data.batching import COLLATE_NOTE, in_layout
 from ..data.source import Source
 from ..engine import metric_states, random_state
 from ..engine.gather import Gathering, gathering
@@ -29,6 +29,7 @@ from ..engine.phases import PhaseSpec
 from ..engine.schedule import Schedule
 from ..engine.state import group_params
 from ..errors import ConfigError, InputError, UserCodeError
+from ..optim import refuse_unrunnable
 from . import loss_probe
 
 PROBE_SAMPLES = 8  # samples the loss's form is measured on, one by one and together
@@ -71,6 +72,7 @@ class Rehearsal:
     probe_singles: list[Any] = field(default_factory=list)
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
     splits: bool = True  # the run splits a step's batch (workers or accumulate): how the loss splits matters
+    probe_unit: int = 1  # samples in each of probe_singles (a worker's micro-batch, with a collate_fn of the user's)
 
 
 def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
@@ -85,18 +87,25 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         UserCodeError: a dataset failed to give them.
     """
     with random_state.kept():  # the caller's random streams stay as they were
-        eval_batch = _attempt("reading an evaluation batch",
+        eval_batch = attempt("reading an evaluation batch",
                               lambda: next(evaluation.eval_chunks(0, 1, eval_samples, 1))[0]) \
             if evaluation is not None else None
         draws, batch = False, None
         if train is not None:
             with random_state.kept() as moved:
-                batch = _attempt("reading a training batch", lambda: train.first(train_samples))
+                batch = attempt("reading a training batch", lambda: train.first(train_samples))
             draws = moved()
         probed = train if train is not None else evaluation
-        group, singles = _attempt("reading samples", lambda: probed.probe(PROBE_SAMPLES))
+        # A collate_fn of the user's is called only with what a worker gets (never one sample: a
+        # Mixup collate asserts an even batch); the loss probe compares parts of that size.
+        unit = 1
+        if getattr(probed, "collate_fn", None) is not None:  # a Source of the user's may have none
+            unit = max(1, train_samples if train is not None else eval_samples)
+            unit = min(unit, probed.size) if probed.size is not None else unit
+        group, singles = attempt("reading samples", lambda: probed.probe(max(PROBE_SAMPLES, 2 * unit), unit)
+                                  if unit > 1 else probed.probe(PROBE_SAMPLES))
     return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
-                     singles, draws, splits)
+                     singles, draws, splits, unit)
 
 
 def rehearse(s: Rehearsal) -> Findings:
@@ -117,9 +126,9 @@ def rehearse(s: Rehearsal) -> Findings:
         prefix = f"phase {phase.name!r}: " if len(s.phases) > 1 else ""
         if s.train_batch is not None:
             batch = in_layout(s.train_batch, channels_last)
-            loss_sum, _ = _attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
+            loss_sum, _ = attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
                                    lambda: phase.objective.train_terms(replica, batch, s.train_samples, how, dtype))
-            _attempt(f"{prefix}the backward pass", loss_sum.backward)
+            attempt(f"{prefix}the backward pass", loss_sum.backward)
         finding = _probe(s, phase.objective, replica, prefix)
         phase.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
         optimizer_class, state_keys, monitor = _optimizer_step(phase, params, prefix) \
@@ -136,7 +145,7 @@ def rehearse(s: Rehearsal) -> Findings:
         batch = in_layout(s.eval_batch, channels_last)
         replica.eval()
         with gathering(Gathering()) as seen:
-            found = _attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
+            found = attempt(f"evaluation (on a first slice of {s.eval_samples} samples)",
                              lambda: s.objective.eval_terms(replica, batch, s.eval_samples, how, dtype))
         eval_keys, eval_gathers = tuple(found), seen.calls > 0
         templates = {name: _metric_template(name, value) for name, value in found.items()
@@ -150,7 +159,7 @@ def _metric_template(name: str, metric) -> Any:
     what = f"metric_fn's {name!r}"
     with warnings.catch_warnings():  # what a few samples lack (a class, a positive) says nothing of the set
         warnings.simplefilter("ignore")
-        _attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
+        attempt(f"computing {what} (on a first slice)", lambda: metric_states.computed(metric.clone(), None, what))
     metric.reset()
     return metric_states.fresh(metric)
 
@@ -162,13 +171,14 @@ def _probe(s: Rehearsal, objective: Objective, replica: nn.Module, prefix: str) 
         return loss_probe.Finding(MEAN)
     group = in_layout(s.probe_group, s.settings.channels_last)
     singles = [in_layout(b, s.settings.channels_last) for b in s.probe_singles]
+    at_a_time = "one sample" if s.probe_unit == 1 else f"{s.probe_unit} samples"
     if not s.splits or s.settings.split == "like_ddp":
         try:
             with random_state.kept():
                 return loss_probe.measure(objective, replica, group, singles)
         except Exception as exc:  # noqa: BLE001 - the training step itself ran above: this only measures
-            return loss_probe.Finding(None, f"not measured: on one sample at a time it raised {type(exc).__name__}")
-    return _attempt(f"{prefix}measuring how the loss splits over samples (one sample at a time)",
+            return loss_probe.Finding(None, f"not measured: on {at_a_time} at a time it raised {type(exc).__name__}")
+    return attempt(f"{prefix}measuring how the loss splits over samples ({at_a_time} at a time)",
                     lambda: loss_probe.measure(objective, replica, group, singles))
 
 
@@ -178,15 +188,15 @@ def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
     scheduler steps on (the scheduler is stepped at each of its points once)."""
     if phase.optimizer is None:
         return None, (), None
-    built = _attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
+    built = attempt(f"{prefix}building the optimizer", lambda: phase.optimizer(group_params(
         params, range(len(params)), phase.group_options, phase.slot_groups)))
-    if _needs_closure(type(built)):
-        return type(built), (), None
+    # Refused here, before its step (SparseAdam's raises on dense gradients), at every worker count.
+    refuse_unrunnable(type(built))
     # The scheduler is built before the step, as a training loop builds it (after, torch would
     # warn that the scheduler stepped before the optimizer).
-    schedule = _attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
+    schedule = attempt(f"{prefix}building the scheduler", lambda: Schedule(phase.scheduler(built), steps_per_epoch=1)) \
         if phase.scheduler is not None else None
-    _attempt(f"{prefix}the optimizer's step", built.step)
+    attempt(f"{prefix}the optimizer's step", built.step)
     monitor = None
     if schedule is not None:
         monitor = schedule.monitor if schedule.needs_metric else None
@@ -196,7 +206,7 @@ def _optimizer_step(phase: PhaseSpec, params: list[torch.Tensor],
             schedule.after_evaluation(stand_in)
             schedule.after_epoch(1, stand_in)
 
-        _attempt(f"{prefix}stepping the scheduler", every_point)
+        attempt(f"{prefix}stepping the scheduler", every_point)
     return type(built), tuple(sorted({str(k) for held in built.state.values() for k in held})), monitor
 
 
@@ -212,11 +222,13 @@ def rehearse_in_worker(s: Rehearsal, send) -> dict[str, Any]:
         return {"refusal": str(exc)}
 
 
-def _needs_closure(optimizer_class: type) -> bool:
-    return issubclass(optimizer_class, torch.optim.LBFGS)  # refused by the caller, with the reason
+def attempt(what: str, fn):
+    """``fn()``; what the user's code raises in it becomes a UserCodeError saying ``what`` failed
+    (and, where a collate_fn raised, with how many samples), with the user's traceback.
 
-
-def _attempt(what: str, fn):
+    Raises:
+        UserCodeError: ``fn`` raised anything but sn_trainer's own refusals (said as they are).
+    """
     try:
         return fn()
     except (InputError, ConfigError):  # sn_trainer's own one-line refusals (a file it cannot read, a metric
@@ -225,5 +237,6 @@ def _attempt(what: str, fn):
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
         # Drop this module's own frames: the user's code starts below them.
         kept = [f for f in frames if __file__ not in f]
-        raise UserCodeError(f"{what} failed before any worker started: {type(exc).__name__}: {exc}\n"
+        said = [note + ": " for note in getattr(exc, "__notes__", ()) if note.startswith(COLLATE_NOTE)][:1]
+        raise UserCodeError(f"{what} failed before any worker started: {''.join(said)}{type(exc).__name__}: {exc}\n"
                             + "".join(kept).rstrip()) from None

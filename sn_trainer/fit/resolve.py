@@ -123,7 +123,7 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     settings = decide.for_reading(settings, rehearsal.data_draws_random)
     findings = rehearse(rehearsal, settings)
     if splits:
-        findings = _labels_seen(findings, train, rehearsal.probe_group, settings)
+        findings = _labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
     _settle_losses(objective, phases, findings, splits, evaluation, settings.split)
     _settle_metrics(objective, findings, placement.global_workers)
     settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
@@ -333,8 +333,20 @@ def _check_one_order(source: Source, count: int, seed: int) -> None:
 
 
 def _check_model(model: nn.Module) -> None:
+    """A model sn_trainer can train: some trainable parameter, and only dense gradients.
+
+    Raises:
+        ConfigError: no trainable parameter; an embedding built with sparse=True (its gradient is a
+            sparse tensor, which the flat gradient buffers and the loss probe cannot hold).
+    """
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+            raise ConfigError(f"the model's {type(module).__name__} {name or '(the model itself)'!r} is built with "
+                              "sparse=True, and sn_trainer trains dense gradients only: build it with sparse=False "
+                              "(dense gradients), and use a dense optimizer such as Adam or AdamW instead of "
+                              "SparseAdam")
     if not any(module.training for module in model.modules()):
         log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
                     "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
@@ -374,23 +386,33 @@ def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSp
             ) from None
 
 
-def _labels_seen(findings: preflight.Findings, train: Source, probe_group: Any,
-                 settings: TrainerConfig) -> preflight.Findings:
+def _labels_seen(findings: preflight.Findings, train: Source, probe_group: Any, settings: TrainerConfig,
+                 micro: int) -> preflight.Findings:
     """The findings, with a per-sample mean measured on a few samples not trusted where the first
     LABELS_SCANNED samples of the training set, collated in global batches, hold ignored labels:
-    whether the measured samples showed them was chance, the positions read are not."""
+    whether the measured samples showed them was chance, the positions read are not. A
+    collate_fn of the user's collates whole micro-batches of a worker (``micro`` samples) only.
+
+    Raises:
+        UserCodeError: the dataset or collate_fn failed.
+    """
     if not any(found.loss.form == MEAN for found in findings.phases):
         return findings
     chunk = min(settings.batch_size, LABELS_CHUNK)
+    chunks = max(1, LABELS_SCANNED // chunk)
+    if getattr(train, "collate_fn", None) is not None:  # whole micro-batches, no short rest (as the rehearsal's)
+        chunk = max(1, micro)
+        chunks = max(1, (LABELS_SCANNED if train.size is None else min(LABELS_SCANNED, train.size)) // chunk)
 
     def batches():
         yield probe_group
-        for batch, _ in train.eval_chunks(0, 1, chunk, max(1, LABELS_SCANNED // chunk)):
+        for batch, _ in train.eval_chunks(0, 1, chunk, chunks):
             yield batch
 
     with random_state.kept():  # a stream that shuffles itself draws; the run's streams stay as they were
-        seen = [dataclasses.replace(found, loss=loss_probe.labels_seen(found.loss, batches()))
-                for found in findings.phases]
+        seen = preflight.attempt("looking for ignored labels in the first training samples", lambda: [
+            dataclasses.replace(found, loss=loss_probe.labels_seen(found.loss, batches()))
+            for found in findings.phases])
     return dataclasses.replace(findings, phases=tuple(seen), loss=seen[0].loss if seen else findings.loss)
 
 

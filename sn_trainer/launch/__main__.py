@@ -25,6 +25,9 @@ def parser() -> ArgumentParser:
 
     parsed = get_args_parser()
     parsed.prog = "python -m sn_trainer.launch"
+    # No abbreviations: a script argument such as --n or --nproc (after the script, REMAINDER)
+    # would otherwise be taken as, or refused as ambiguous with, a launcher option.
+    parsed.allow_abbrev = False
     parsed.description = ("torchrun, each local rank pinned to its own physical cores with as many intra-op threads. "
                           "--nproc-per-node=auto: the physical cores this process may use / --threads-per-proc.")
     default = default_runtime()
