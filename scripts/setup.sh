@@ -26,7 +26,12 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-# torch==2.14.1 and torchvision==0.29.1 are pinned in pyproject.toml.
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$TARGET"
+# torch==2.14.1 and torchvision==0.29.1 are pinned in pyproject.toml. pip resolves every dependency
+# again even when all are there (about 10 s): skipped while pyproject.toml is the one this mode (or,
+# for training, the test mode) last installed from. rm .venv/.installed-* to install again.
+if ! cmp -s pyproject.toml ".venv/.installed-$MODE" && ! cmp -s pyproject.toml .venv/.installed-test; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e "$TARGET"
+    cp pyproject.toml ".venv/.installed-$MODE"
+fi
 # The shared-memory collectives' C core, built with this machine's compiler (without one they run in Python).
 .venv/bin/python -m sn_trainer.shm.native || true
