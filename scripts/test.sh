@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The test suite, set-up included: bash scripts/test.sh
+# The test suite, set-up included (scripts/setup.sh test: training's set-up and the test toolchain):
+# bash scripts/test.sh
 # Then the equivalence tests again with ATen's portable kernels (default) and with AVX2's: every
 # CPU's kernels round differently, and the exactness tests must hold on all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 .venv/bin/python -m pytest -q tests "$@"
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
     tests/test_loop.py tests/test_collate.py tests/test_streams.py tests/test_hf_datasets.py tests/test_prefetch.py
