@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The test suite, set-up included (scripts/setup.sh test: training's set-up and the test toolchain):
 # bash scripts/test.sh
-# Then the equivalence tests again with ATen's portable kernels (default) and with AVX2's: every
-# CPU's kernels round differently, and the exactness tests must hold on all of them.
+# Then the equivalence core again with ATen's portable kernels (default) and with AVX2's: every
+# CPU's kernels round differently, and the exactness tests must hold on all of them. The core is the
+# modules whose assertions rest on arithmetic (the step, models, optimizers, losses, collectives,
+# decoded and augmented images); the modules about which samples are read in which order, and who
+# owns a folder (streams, Hugging Face datasets, seams, run_owns, self-shuffling, order), run once:
+# what they train is the arithmetic the core covers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/python -m pytest -q tests "$@"
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
-    tests/test_loop.py tests/test_collate.py tests/test_streams.py tests/test_hf_datasets.py tests/test_prefetch.py
-    tests/test_seams.py tests/test_run_owns.py tests/test_gather.py tests/test_self_shuffling.py tests/test_order.py
-    tests/test_word_lm.py tests/test_loss_probe.py tests/test_lightning_module.py tests/test_sn_backend.py"
+    tests/test_loop.py tests/test_collate.py tests/test_prefetch.py tests/test_gather.py tests/test_word_lm.py
+    tests/test_loss_probe.py tests/test_lightning_module.py tests/test_sn_backend.py"
 for kernels in default avx2; do
     echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels"
     # With the portable kernels, the shared-memory collectives run their Python path too (no C core).
