@@ -31,6 +31,12 @@ class UserCodeError(InputError):
     """
 
 
+class LossDoesNotSplit(InputError):
+    """A scalar loss that was measured to split (a per-sample mean, a sum) did not on a worker's
+    micro-batch while training: raised in that worker at that step, before its update, so the
+    run stops with the checkpoints it had."""
+
+
 class WorkerFailed(RuntimeError):
     """A worker raised, died or hung; the message names it and carries its traceback, signal or phase."""
 

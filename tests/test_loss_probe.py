@@ -157,6 +157,87 @@ def test_a_contrastive_loss_is_refused_with_the_gather_or_like_ddp_advice():
     assert "(loss * n, n)" not in message and "\n" not in message
 
 
+# --- verified while training: a loss that looked like a mean on the probe's samples -------------------
+
+class Routed(Dataset):
+    """Inputs for a router of 3 experts; the samples the probe reads (the first 8, and 8 spread over
+    the set) are one input, so they all go to one expert, where a load-balancing loss looks like a
+    per-sample mean; the rest are spread."""
+
+    def __init__(self, n: int = 40):
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(n, 4, generator=g, dtype=F64)
+        for i in set(range(8)) | {int(i) for i in torch.linspace(0, n - 1, 8).round().long()}:
+            self.x[i] = self.x[0]
+        self.y = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class SwitchLayer(nn.Module):
+    """A router and 3 experts, each sample sent to its top expert (Switch Transformer's routing)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top = probs.argmax(-1)
+        out = torch.stack([self.experts[int(e)](row) * probs[i, e] for i, (row, e) in enumerate(zip(x, top))])
+        return out, probs, top
+
+
+def switch_step(model, batch):
+    """Cross-entropy plus Switch's load-balancing loss: 3 * sum over experts of (the share of the batch
+    routed there) x (the batch's mean router probability there). It couples the batch's samples."""
+    x, y = batch
+    out, probs, top = model(x)
+    share = F.one_hot(top, 3).to(probs.dtype).mean(0)
+    return F.cross_entropy(out, y) + 3 * (share * probs.mean(0)).sum()
+
+
+def test_a_load_balancing_loss_that_looked_like_a_mean_is_stopped_at_its_first_step():
+    """The probe's samples all go to one expert, so it finds a per-sample mean; each worker checks the
+    split on its own first micro-batch of step 1 and the run stops there, before its update, with the
+    gather/like_ddp advice (before the check, this trained on 1e-3 off a plain loop)."""
+    from sn_trainer.errors import LossDoesNotSplit
+
+    model = SwitchLayer().double()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(LossDoesNotSplit) as stopped:
+        Trainer(workers=2, batch_size=8, max_steps=3, seed=1).fit(model, Routed(), optimizer=SGD,
+                                                                  step_fn=switch_step)
+    message = str(stopped.value)
+    assert "did not split as a per-sample mean at step 1" in message and "no update was applied" in message
+    assert "sn_trainer.gather(" in message and 'split="like_ddp"' in message and "\n" not in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_check_sees_a_mean_split_and_halves_a_nested_batch():
+    """The check itself, in one process: a per-sample mean over a dict batch passes, a coupled loss
+    over the same batch does not (what it cuts: every tensor of the batch's length, along dimension 0)."""
+    from sn_trainer.engine import split_check
+    from sn_trainer.engine.objective import MEAN
+    from sn_trainer.errors import LossDoesNotSplit
+
+    model = nn.Linear(4, 2).double()
+    batch = {"x": torch.randn(6, 4, dtype=F64), "y": torch.tensor([0, 1, 0, 1, 1, 0]), "names": list("abcdef")}
+    mean = Objective(step_fn=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]))
+    coupled = Objective(step_fn=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]) + m(b["x"]).mean(0).pow(2).sum())
+    mean.form = coupled.form = MEAN
+    split_check.verify(mean, model, batch, 6, F64, step=0, rank=0)
+    with pytest.raises(LossDoesNotSplit, match="on worker 1's 6 samples"):
+        split_check.verify(coupled, model, batch, 6, F64, step=0, rank=1)
+    assert [split_check.due(s) for s in range(9)] == [True, True, False, True, False, False, False, True, False]
+
+
 def test_a_loss_of_per_sample_parts_is_advised_its_sum_and_count():
     data = Tokens()
     picked = [0, 8, 9, 10, 11, 12]  # full rows and short ones: a token mean, visibly not a sample mean

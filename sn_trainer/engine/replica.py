@@ -18,7 +18,7 @@ from ..data.batching import in_layout
 from ..data.feed import Feed
 from ..data.source import Source, different_orders
 from ..errors import DataError
-from . import metric_states, position, random_state
+from . import metric_states, position, random_state, split_check
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster
@@ -222,6 +222,9 @@ class Replica:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
             where = position.in_training(step, micro, self.plan.steps_per_epoch, self.plan.settings.accumulate)
             with timer("forward"), gathering(self._gathering(phase.objective)), position.at(where):
+                if micro == 0 and self._splits and split_check.due(step):  # what the probe found, verified here
+                    split_check.verify(phase.objective, self.runner, batch, samples, self.dtype, step,
+                                       self.global_rank)
                 micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
                                                                       self.dtype)
             with timer("backward"):
@@ -238,6 +241,11 @@ class Replica:
             with timer("update"):
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
         return totals
+
+    @property
+    def _splits(self) -> bool:
+        """Whether a step's batch is split (workers, nodes or accumulation): how its loss splits matters."""
+        return self.global_workers * self.plan.settings.accumulate > 1
 
     def _gathering(self, objective: Objective) -> Gathering:
         """What sn_trainer.gather does in a micro-batch of ``objective``'s step: exchange the slices

@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 
 from ..engine import random_state
 from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
+from ..engine.split_check import COUPLED_ADVICE, measuring
 from ..engine.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS,
                                SHIFTED_TOKENS_FROM_LOGITS, SUM, TOKENS, TOKENS_FROM_LOGITS, Objective, Precision,
                                kept_labels, model_outputs, output_loss, token_cross_entropy)
@@ -57,11 +55,6 @@ COUNTED_ADVICE = ("Return (loss_sum, count) from a step_fn instead: the loss sum
                   "(a Hugging Face model needs no step_fn: sn_trainer calls it and counts its labels); where the "
                   "count is not yours to know (a loss normalised inside the model), pass split=\"like_ddp\" to weigh "
                   "each worker's loss as DDP does (like DDP, not exact)")
-COUPLED_ADVICE = ("Its samples interact, so no (loss_sum, count) of a slice makes it exact: for a contrastive loss, "
-                  "gather the global batch inside step_fn (sn_trainer.gather(embeddings)) and compute the loss over "
-                  "it; for a loss normalised inside the model (a detector's sampled proposals), pass "
-                  "split=\"like_ddp\" to weigh each worker's loss as DDP does (each worker's mean, averaged over the "
-                  "workers: like DDP, not exact); or train with workers=1 and accumulate=1")
 RANDOM_ADVICE = ("Where each sample's loss is its own (noise drawn per sample), return (loss_sum, count) from a "
                  "step_fn instead (nothing is measured then), e.g. (loss * n, n) for a per-sample mean of n samples; where "
                  "the draws span the batch (Mixup, a detector's sampled proposals), pass split=\"like_ddp\" to weigh "
@@ -89,7 +82,7 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
     Raises:
         whatever the user's code raises on these batches.
     """
-    with _measuring(model, whole_eval=False):
+    with measuring(model, whole_eval=False):
         found = _measure(objective, model, group, singles)
     if found.form is None and found.advice is RANDOM_ADVICE:
         # Random draws that training mode alone makes (dropout called as a function) are each
@@ -97,7 +90,7 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
         # random there splits as measured. A model that computes no loss in eval mode (a
         # detector) keeps the finding of training mode.
         try:
-            with _measuring(model, whole_eval=True):
+            with measuring(model, whole_eval=True):
                 in_eval = _measure(objective, model, group, singles)
         except Exception:  # noqa: BLE001 - its eval mode is not how it trains: training mode's finding stands
             return found
@@ -105,21 +98,6 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
             return Finding(in_eval.form, f"{in_eval.detail}, measured in eval mode (in training mode it draws "
                                          "random numbers, each worker from its own streams)")
     return found
-
-
-@contextmanager
-def _measuring(model: nn.Module, whole_eval: bool):
-    """The model in the modes its loss is measured in: as given (dropout and batch norm in eval),
-    or wholly in eval; its modes as they were afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    for m in model.modules():
-        if whole_eval or isinstance(m, (_DropoutNd, _BatchNorm)):
-            m.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _measure(objective: Objective, model: nn.Module, group: Any, singles: list[Any]) -> Finding:
