@@ -4,11 +4,11 @@ Importing the package imports no torch: ``python -m sn_trainer`` starts its warm
 server first, so that it and this process import torch at the same time. The names below load
 on first use.
 """
-from .errors import (CheckpointError, ConfigError, DataError, InputError, TrainingDiverged, TrainingInterrupted,
-                     UserCodeError, WorkerFailed)
+from .errors import (CheckpointError, ConfigError, DataError, InputError, LossDoesNotSplit, TrainingDiverged,
+                     TrainingInterrupted, UserCodeError, WorkerFailed)
 
 __all__ = ["BestCheckpoint", "Callback", "CheckpointConfig", "CheckpointError", "Cluster", "ConfigError", "DataError",
-           "EarlyStopping", "FitResult", "InputError", "Phase", "Trainer", "TrainerConfig", "TrainingDiverged",
+           "EarlyStopping", "FitResult", "InputError", "LossDoesNotSplit", "Phase", "Trainer", "TrainerConfig", "TrainingDiverged",
            "TrainingInterrupted", "UserCodeError", "WorkerFailed", "diagnose", "gather", "warm_up"]
 __version__ = "0.3.0"
 
