@@ -24,6 +24,9 @@ class Phase:
         scheduler: called as ``scheduler(optimizer)`` with this phase's optimizer (any kind
             ``fit``'s scheduler may be).
         name: reported with its loss (``loss_<name>``); default ``phase<i>``.
+        after_update: ``after_update(model)``, called under ``torch.no_grad()`` after each of this
+            phase's updates, before the next phase's forward (WGAN clips the critic's weights
+            after the critic's step): once per update, on the shared weights, in place.
     """
 
     step_fn: Callable[..., Any]
@@ -31,3 +34,4 @@ class Phase:
     optimizer: Callable[..., Any] | None = None
     scheduler: Callable[..., Any] | None = None
     name: str | None = None
+    after_update: Callable[..., Any] | None = None

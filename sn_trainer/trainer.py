@@ -97,7 +97,8 @@ class Trainer:
             metric_fn: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
             param_groups: Callable[[nn.Module], Any] | None = None, callbacks: list[Callback] | None = None,
             phases: list[Phase] | None = None, collate_fn: Callable[[list], Any] | None = None,
-            eval_collate_fn: Callable[[list], Any] | None = None) -> FitResult:
+            eval_collate_fn: Callable[[list], Any] | None = None,
+            after_update: Callable[[nn.Module], Any] | None = None) -> FitResult:
         """Train ``model`` on ``train_set``; evaluate on ``eval_set`` after every epoch.
 
         Args:
@@ -128,17 +129,23 @@ class Trainer:
             collate_fn: ``collate_fn(items)`` makes a batch of a worker's slice of the dataset's
                 items, as a DataLoader with it would (padding variable-length samples, say).
             eval_collate_fn: the same for the evaluation set; default collate_fn.
+            after_update: ``after_update(model)``, called under ``torch.no_grad()`` after each
+                optimizer update, before the next forward, as a loop calls it after
+                ``optimizer.step()`` (open_clip's clamp of ``logit_scale``, a max-norm
+                constraint): once per update, on the weights every worker shares, in place. With
+                phases, each Phase has its own.
         Raises:
             ConfigError: bad arguments, or a scalar loss that cannot be split exactly where the
                 run splits it, before any process starts.
             CheckpointError: a checkpoint to resume from cannot be used.
-            UserCodeError: the model, step, loss, metric or optimizer failed on a first micro-batch.
+            UserCodeError: the model, step, loss, metric, optimizer or after_update failed on a first
+                micro-batch.
             WorkerFailed: a worker raised, died or hung (after max_restarts restarts).
             TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written if configured.
             TrainingDiverged: a non-finite loss or gradient, with on_nan="stop".
         """
         given = FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
-                          phases, collate_fn, eval_collate_fn, run_config)
+                          phases, collate_fn, eval_collate_fn, run_config, after_update=after_update)
         module_hooks = []
         if lightning.lightning_root(model) is not None:  # its own steps, optimizer and hooks; never fit's defaults
             given, module_hooks = lightning.adapt(given)

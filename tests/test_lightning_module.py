@@ -249,6 +249,9 @@ def test_fit_arguments_beside_its_own_steps_are_refused():
         Trainer(workers=1, batch_size=6, max_steps=2).fit(Regression(), regression_set(12, 1),
                                                           step_fn=lambda m, b: m(b[0]).mean(),
                                                           optimizer=torch.optim.SGD)
+    with pytest.raises(ConfigError, match=r"optimizes manually .* call it in training_step after the optimizer's step"):
+        Trainer(workers=1, batch_size=6, max_steps=2).fit(TwoOptimizers(), regression_set(12, 1),
+                                                          after_update=lambda m: None)
 
 
 def test_a_plain_module_never_imports_lightning():

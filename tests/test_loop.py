@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import SmallConvNet, assert_exact, cross_entropy, plain_batches, tiny_dataset
-from sn_trainer import BestCheckpoint, Callback, ConfigError, EarlyStopping, Phase, Trainer, UserCodeError
+from sn_trainer import (BestCheckpoint, Callback, ConfigError, EarlyStopping, Phase, Trainer, UserCodeError,
+                        WorkerFailed)
 from sn_trainer import checkpoint
 from sn_trainer.checkpoint import CheckpointDir
 
@@ -389,6 +390,100 @@ def test_phases_are_checked_before_any_worker_starts(no_leaks):
 
 def all_params(model):
     return model.parameters()
+
+
+# --- code after each update (a clamped temperature, clipped weights) ------------------------------------
+
+BOUND = 0.05  # below the initial weights' range and a step's reach: the clamp bites every step
+
+
+def clamp_weights(model):
+    """A constraint after every update, as open_clip clamps logit_scale: every weight into +-BOUND."""
+    for p in model.parameters():
+        p.clamp_(-BOUND, BOUND)
+
+
+def clamp_and_shrink(model):
+    """Not idempotent: called twice (or in each of W workers) it would shrink twice."""
+    clamp_weights(model)
+    model.fc.weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("after", [clamp_weights, clamp_and_shrink])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_after_update_runs_once_per_update_on_the_shared_weights_as_a_plain_loop_does(workers, after):
+
+    torch.manual_seed(0)
+    model = SmallConvNet().double()
+    reference, unclamped = copy.deepcopy(model), copy.deepcopy(model)
+    for net, called in ((reference, after), (unclamped, None)):
+        opt = SGD(net.parameters())
+        for _, batch in zip(range(6), plain_batches(tiny_dataset(dtype=F64), 12, seed=3)):
+            opt.zero_grad()
+            cross_entropy(net, batch).backward()
+            opt.step()
+            if called is not None:
+                with torch.no_grad():
+                    called(net)
+    Trainer(workers=workers, batch_size=12, max_steps=6, seed=3).fit(model, tiny_dataset(dtype=F64), optimizer=SGD,
+                                                                    after_update=after)
+    assert_exact(model, reference)
+    # It bit: weights sit on the bound, and the unclamped loop ends elsewhere.
+    assert max(p.abs().max().item() for p in model.parameters()) == BOUND
+    assert any((p - q).abs().max() > 1e-3 for p, q in zip(reference.parameters(), unclamped.parameters()))
+
+
+def clip_critic(model):
+    """WGAN's weight clipping, of the critic only."""
+    for p in model.D.parameters():
+        p.clamp_(-BOUND, BOUND)
+
+
+def test_a_phases_after_update_runs_after_its_own_update_before_the_next_phase():
+    """WGAN: the critic is clipped after the critic's step, and the generator's step sees it clipped."""
+    torch.manual_seed(0)
+    model = TinyGAN().double()
+    reference = copy.deepcopy(model)
+    opt_d, opt_g = ADAM(reference.D.parameters()), ADAM(reference.G.parameters())
+    for _, batch in zip(range(6), plain_batches(gan_data(), 7, seed=3)):
+        opt_d.zero_grad()
+        discriminator_step(reference, batch).backward()
+        opt_d.step()
+        with torch.no_grad():
+            clip_critic(reference)
+        opt_g.zero_grad()
+        generator_step(reference, batch).backward()
+        opt_g.step()
+    Trainer(workers=2, batch_size=7, max_steps=6, seed=3).fit(
+        model, gan_data(), phases=[Phase(discriminator_step, discriminator_params, ADAM, name="D",
+                                         after_update=clip_critic),
+                                   Phase(generator_step, generator_params, ADAM, name="G")])
+    assert_exact(model, reference)
+    assert max(p.abs().max().item() for p in model.D.parameters()) == BOUND
+
+
+def broken_constraint(model):
+    raise ValueError("constraint bug")
+
+
+def breaks_in_workers(model):
+    """Fails only on the workers' shared weights (the rehearsal's copy is the launcher's own)."""
+    if next(model.parameters()).is_shared():
+        raise ValueError("constraint bug in a worker")
+
+
+def test_an_after_update_that_raises_is_reported_naming_it(no_leaks):
+
+    trainer = Trainer(workers=2, batch_size=8, max_steps=2)
+    with pytest.raises(UserCodeError, match="after_update broken_constraint failed before any worker started: "
+                                            "ValueError: constraint bug"):
+        trainer.fit(SmallConvNet(), tiny_dataset(), after_update=broken_constraint)
+    with pytest.raises(WorkerFailed, match=r"(?s)breaks_in_workers.*ValueError: constraint bug in a worker"):
+        trainer.fit(SmallConvNet(), tiny_dataset(), after_update=breaks_in_workers)
+    with pytest.raises(ConfigError, match="after_update must be a function of the model, got int"):
+        trainer.fit(SmallConvNet(), tiny_dataset(), after_update=3)
+    with pytest.raises(ConfigError, match="give phases or after_update, not both"):
+        trainer.fit(TinyGAN(), gan_data(), after_update=clip_critic, phases=[Phase(generator_step, generator_params)])
 
 
 # --- weights out, as safetensors --------------------------------------------------------------------------

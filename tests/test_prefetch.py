@@ -71,6 +71,85 @@ def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def png_folder(tmp_path_factory):
+    """40 PNG files of 12x12 in three class folders: lossless, so Pillow and torchvision read the same pixels."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("png_images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(40):
+        label = i % 3
+        pixels = (torch.rand(12, 12, 3, generator=g) * 80 + 60 * label).to(torch.uint8).numpy()
+        (root / f"class{label}").mkdir(exist_ok=True)
+        Image.fromarray(pixels).save(root / f"class{label}" / f"{i}.png")
+    return root
+
+
+class PlainImageNetRecipe(Dataset):
+    """torchvision's ImageNet recipe as a script writes it, over the same files read by Pillow:
+    training, v2.RandomResizedCrop then v2.RandomHorizontalFlip, torchvision's own draws from the
+    global generator seeded per sample by (seed, epoch, index); evaluation, v2.CenterCrop.
+    Normalised by the statistics given."""
+
+    def __init__(self, files, labels, crop, mean, std, seed, train):
+        from torchvision.transforms import v2
+
+        self.files, self.labels, self.mean, self.std, self.seed = files, labels, mean, std, seed
+        self.transform = v2.Compose([v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()]) \
+            if train else v2.CenterCrop(crop)
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(self.files[index]) as opened:
+            image = torch.from_numpy(np.asarray(opened.convert("RGB")).copy()).permute(2, 0, 1)
+        with torch.random.fork_rng():
+            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
+            image = self.transform(image)
+        return (image.float() - self.mean) / self.std, int(self.labels[index])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_images_in_random_resized_crops_train_as_torchvisions_recipe_in_a_plain_loop(png_folder, workers):
+    data = load_datasets(DatasetConfig(name="folder", root=str(png_folder), image_size=12, augment="resized_crop",
+                                       crop_size=8, seed=1, test_fraction=0.1))
+    train, test = data.train, data.test
+    plain_train, plain_test = (PlainImageNetRecipe(split.files, split.labels, 8, train.mean[0], train.std[0], seed=1,
+                                                   train=split is train) for split in (train, test))
+    assert data.sample_shape == (3, 8, 8) and train[0][0].shape == test[0][0].shape == (3, 8, 8)
+    for index in range(len(test)):  # evaluation: resized to image_size, center-cropped
+        assert torch.equal(test[index][0], plain_test[index][0])
+    model = net()
+    reference = plain(copy.deepcopy(model), plain_train, batch_size=8, epochs=2, seed=3)
+    result = Trainer(workers=workers, batch_size=8, epochs=2, seed=3).fit(model, train, step_fn=step, optimizer=SGD)
+    assert result.plan["prefetch"] is True  # its draws are the sample's own generator's, never the global ones
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    (dict(name="folder", augment="resized_crops"),
+     r"dataset.augment must be true, false, null, crop_flip or resized_crop, got 'resized_crops'"),
+    (dict(name="cifar10", augment="resized_crop"), r"dataset.augment=resized_crop applies to dataset=folder"),
+    (dict(name="folder", augment="resized_crop", preload=True), r"reads each image .* set dataset.preload=false"),
+    (dict(name="folder", augment="resized_crop", image_size=12, crop_size=16),
+     r"dataset.crop_size=16 must be at most dataset.image_size=12"),
+    (dict(name="folder", augment=True, crop_size=8), r"dataset.crop_size applies to dataset.augment=resized_crop"),
+])
+def test_a_resized_crop_that_cannot_be_made_is_refused_in_one_line(settings, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        DatasetConfig(**settings)
+
+
 def test_reading_ahead_changes_nothing(folder):
     data = load_datasets(DatasetConfig(name="folder", root=str(folder), image_size=8, augment=True))
     ahead, inline = net(), net()

@@ -16,6 +16,7 @@ from ..config import TrainerConfig, default_of, is_int, is_part, one_of, option,
 from ..errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "step")
+AUGMENTATIONS = ("crop_flip", "resized_crop")  # beside true (crop_flip), false and null (the dataset's default)
 LOGGERS = ("none", "tensorboard", "mlflow")
 
 __all__ = ["RunConfig", "ModelConfig", "DatasetConfig", "OptimConfig", "BenchConfig", "option_rows"]
@@ -52,12 +53,18 @@ class DatasetConfig:
     block_size: int = option(64, "text: tokens per training window (the model's context)")
     download: bool = option(False, "let torchvision download the dataset into root when it is not found "
                                    "(needs internet)")
-    augment: bool | None = option(None, "random crop and flip; default: on for cifar10 only")
+    augment: bool | str | None = option(None, "`true` (or `crop_flip`): a crop at a random offset of the zero-padded "
+                                              "image, and a flip; `resized_crop` (folder): ImageNet's "
+                                              "RandomResizedCrop to crop_size and a flip, and for testing a center "
+                                              "crop; `false`; default: crop_flip for cifar10 only")
     shape: list[int] = option([1, 28, 28], "synthetic: [C, H, W] of the images")
     num_classes: int = option(10, "synthetic: number of classes")
     train_size: int = option(8192, "synthetic: training samples")
     test_size: int = option(1024, "synthetic: test samples")
     image_size: int = option(32, "folder: images are resized to image_size x image_size")
+    crop_size: int | None = option(None, "folder with augment=resized_crop: the side of training's random crops "
+                                         "and testing's center crop, of the image_size image (as torchvision's "
+                                         "reference: 224 of 256); default image_size")
     preload: bool = option(False, "folder: decode every image into memory up front (`false`: each worker reads, "
                                   "decodes and augments its samples from the files as it trains)")
     test_fraction: float = option(0.1, "folder without train/ and test/, and text: the share held out for testing "
@@ -70,6 +77,20 @@ class DatasetConfig:
         positive_int(self.image_size, "dataset.image_size")
         positive_int(self.block_size, "dataset.block_size")
         require(0 < self.test_fraction < 1, f"dataset.test_fraction must be in (0, 1), got {self.test_fraction}")
+        require(self.augment is None or isinstance(self.augment, bool) or self.augment in AUGMENTATIONS,
+                f"dataset.augment must be true, false, null, crop_flip or resized_crop, got {self.augment!r}")
+        positive_int(self.crop_size, "dataset.crop_size", nullable=True)
+        if self.augment == "resized_crop":
+            require(self.name == "folder", f"dataset.augment=resized_crop applies to dataset=folder, got "
+                                           f"dataset={self.name}; use dataset.augment=true (crop_flip)")
+            require(not self.preload, "dataset.augment=resized_crop reads each image where it lies as a worker asks "
+                                      "for it; set dataset.preload=false")
+            require(self.crop_size is None or self.crop_size <= self.image_size,
+                    f"dataset.crop_size={self.crop_size} must be at most dataset.image_size={self.image_size}: it "
+                    "is cut from the image resized to image_size")
+        else:
+            require(self.crop_size is None, f"dataset.crop_size applies to dataset.augment=resized_crop, got "
+                                            f"dataset.augment={self.augment}")
 
 
 @dataclass

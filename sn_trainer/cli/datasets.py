@@ -38,7 +38,8 @@ def load_datasets(cfg: DatasetConfig) -> Splits | TextSplits:
     if cfg.name == "folder" and not cfg.preload:
         return _folder_files(cfg)
     train, test, num_classes, source = loaders[cfg.name](cfg)
-    augment = cfg.augment if cfg.augment is not None else cfg.name == "cifar10"
+    # crop_flip or none (resized_crop is refused for these by DatasetConfig)
+    augment = bool(cfg.augment) if cfg.augment is not None else cfg.name == "cifar10"
     return image_splits(train, test, num_classes, source, augment)
 
 
@@ -176,9 +177,10 @@ def _folder_files(cfg: DatasetConfig) -> Splits:
     (train_files, train_labels), (test_files, test_labels), classes = _folder_split(cfg)
     size = cfg.image_size
     mean, std = statistics(train_files, size)
-    train = ImageFiles(train_files, train_labels, size, mean, std, len(classes), augment=bool(cfg.augment),
-                       seed=cfg.seed)
-    test = ImageFiles(test_files, test_labels, size, mean, std, len(classes))
+    train = ImageFiles(train_files, train_labels, size, mean, std, len(classes), augment=cfg.augment or False,
+                       seed=cfg.seed, crop_size=cfg.crop_size)
+    # Testing takes no random draw: with resized_crop, the center crop_size of each image, as torchvision's reference.
+    test = ImageFiles(test_files, test_labels, size, mean, std, len(classes), crop_size=cfg.crop_size)
     return Splits(train, test, train.sample_shape, len(classes), f"{_folder_root(cfg)} (read per sample)")
 
 

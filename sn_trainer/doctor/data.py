@@ -76,7 +76,8 @@ def _folder(dataset: dict):
         raise InputError(f"dataset.root={dataset.get('root')!r} is not a folder on this machine")
     files, labels, classes = scan(root / "train" if (root / "train").is_dir() else root)
     images = ImageFiles(files, labels, int(dataset.get("image_size") or 32), [0.5] * 3, [0.25] * 3, len(classes),
-                        augment=bool(dataset.get("augment")), seed=int(dataset.get("seed") or 0))
+                        augment=dataset.get("augment") or False, seed=int(dataset.get("seed") or 0),
+                        crop_size=dataset.get("crop_size"))
 
     def decode(items: int) -> float:
         indices = torch.linspace(0, len(files) - 1, min(items, len(files))).round().long().unique()

@@ -33,6 +33,7 @@ class PhaseSpec:
     group_options: list[dict[str, Any]] | None  # None: the factory gets a plain list of tensors
     slot_groups: tuple[int | None, ...]  # each parameter's group in this phase (None: not this phase's)
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    after_update: Callable[[nn.Module], Any] | None = None  # the user's code after each of its updates
 
 
 class WorkerPhase:

@@ -195,6 +195,8 @@ class Replica:
                 if phase_totals[-1].finite:
                     phase.update(self.reducer.shard_grad, phase_totals[-1].count, phase_totals[-1].unused, step + 1,
                                  self.reducer.sum_in_node, whole_model=len(self.phases) == 1)
+            if phase.spec.after_update is not None and phase_totals[-1].finite:  # a left-out update has no after
+                self.after_update(phase.spec.after_update, timer)
         with timer("update"):
             if self.launch.ema is not None:  # this shard's average: 1/W of the work in each worker
                 shard = self.layout.shards[self.rank]
@@ -205,6 +207,22 @@ class Replica:
         with timer("wait"):
             self.reducer.barrier()  # nobody reads parameters that are still being written
         return phase_totals
+
+    def after_update(self, fn: Callable[[nn.Module], Any], timer: StageTimer) -> None:
+        """The user's ``fn(model)`` once on the weights just updated, as a loop calls it after
+        ``optimizer.step()``. The parameters live once per node, and each worker updated only its
+        shard of them: so every shard is written first (a barrier), worker 0 alone calls ``fn``
+        on the whole shared parameters (in every worker at once it would race, and a constraint
+        that is not idempotent would apply W times), and nobody reads them before it returned (a
+        barrier). Across nodes each node's worker 0 calls it on its node's copy: the same
+        weights in, the same out."""
+        with timer("wait"):
+            self.reducer.barrier()  # every worker's shard of the update is written
+        if self.rank == 0:
+            with timer("update"), torch.no_grad():
+                fn(self.model)
+        with timer("wait"):
+            self.reducer.barrier()  # fn's writes are done before any worker reads the weights
 
     def phase_step(self, round_: int, phase: WorkerPhase, micro_batches: list[tuple[Any, int]],
                    timer: StageTimer, digest: int | None = None) -> StepTotals:

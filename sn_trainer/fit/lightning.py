@@ -92,7 +92,8 @@ def adapt(given: FitInputs) -> tuple[FitInputs, list[Callback]]:
 
     Raises:
         ConfigError: fit was also given a step, loss, optimizer, scheduler, metrics or phases; or
-            the module uses what does not map (named, with what to do instead).
+            the module uses what does not map (named, with what to do instead); after_update with
+            manual optimization.
     """
     model, root = given.model, lightning_root(given.model)
     both = [name for name in _FIT_ARGUMENTS if getattr(given, name) is not None]
@@ -101,6 +102,10 @@ def adapt(given: FitInputs) -> tuple[FitInputs, list[Callback]]:
                           f"validation_step make the step, optimizer, scheduler and metrics; leave out "
                           f"{', '.join(both)} (or pass a plain nn.Module with them)")
     _check_module(model, root, given.eval_set is not None)
+    if given.after_update is not None and not model.automatic_optimization:
+        # Manual optimization becomes a phase per optimizer, and each phase has its own code after it.
+        raise ConfigError("the LightningModule optimizes manually (a phase per optimizer), so fit's after_update has "
+                          "no one update to follow: call it in training_step after the optimizer's step")
     for hook in BEFORE[:3]:  # what builds the module comes before configure_optimizers, as in Lightning
         call_hook(model, hook)
     config = lightning_optimizers(model, root) if model.automatic_optimization else manual_phases(model, root)

@@ -133,6 +133,9 @@ def rehearse(s: Rehearsal) -> Findings:
         phase.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
         optimizer_class, state_keys, monitor = _optimizer_step(phase, params, prefix) \
             if s.train_batch is not None else (None, (), None)
+        if phase.after_update is not None and s.train_batch is not None:
+            with torch.no_grad():  # as the workers call it after each update
+                attempt(f"{prefix}after_update {_named(phase.after_update)}", lambda: phase.after_update(replica))
         for p in params:
             p.grad = None
         phases.append(PhaseFindings(optimizer_class, finding, state_keys, monitor))
@@ -151,6 +154,11 @@ def rehearse(s: Rehearsal) -> Findings:
         templates = {name: _metric_template(name, value) for name, value in found.items()
                      if metric_states.is_metric(value)}
     return Findings(tuple(phases), eval_keys, finding, eval_gathers, templates)
+
+
+def _named(fn) -> str:
+    """What a user's function is called in an error: its name, else its class's."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _metric_template(name: str, metric) -> Any:

@@ -57,6 +57,7 @@ class FitInputs:
     collate_fn: Callable[[list], Any] | None = None
     eval_collate_fn: Callable[[list], Any] | None = None
     run_config: dict[str, Any] | None = None
+    after_update: Callable[[nn.Module], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def resolve_phases(model: nn.Module, given: FitInputs, objective: Objective) -> 
     trainable = [p for _, p in trainable_parameters(model)]
     if not given.phases:
         groups = resolve_groups(model, trainable, given.param_groups)
-        return [_phase_spec("train", objective, groups, given.optimizer, given.scheduler)]
+        return [_phase_spec("train", objective, groups, given.optimizer, given.scheduler, given.after_update)]
     resolved, owner = [], {}
     for index, phase in enumerate(given.phases):
         if not isinstance(phase, Phase):
@@ -256,15 +257,24 @@ def resolve_phases(model: nn.Module, given: FitInputs, objective: Objective) -> 
                                       f"{owner[slot]!r} and {name!r}; each parameter may be in one phase only")
                 owner[slot] = name
         phase_objective = objective if index == 0 else Objective(step_fn=phase.step_fn)
-        resolved.append(_phase_spec(name, phase_objective, groups, phase.optimizer, phase.scheduler))
+        resolved.append(_phase_spec(name, phase_objective, groups, phase.optimizer, phase.scheduler,
+                                    phase.after_update, f"phase {name!r}'s after_update"))
     return resolved
 
 
-def _phase_spec(name: str, objective: Objective, groups, optimizer, scheduler) -> PhaseSpec:
+def _phase_spec(name: str, objective: Objective, groups, optimizer, scheduler, after_update=None,
+                what: str = "after_update") -> PhaseSpec:
     """One phase with its optimizer factory: as given, else the class of the optimizer the groups
-    came as, else SGD(lr=0.01)."""
+    came as, else SGD(lr=0.01).
+
+    Raises:
+        ConfigError: ``after_update`` (``what``) given and not callable.
+    """
+    if after_update is not None and not callable(after_update):
+        raise ConfigError(f"{what} must be a function of the model, got {type(after_update).__name__}: pass "
+                          "after_update=fn, called as fn(model) after each optimizer update")
     factory = optimizer or groups.factory or functools.partial(torch.optim.SGD, lr=0.01)
-    return PhaseSpec(name, objective, factory, groups.options, groups.slot_groups, scheduler)
+    return PhaseSpec(name, objective, factory, groups.options, groups.slot_groups, scheduler, after_update)
 
 
 def _objective(given: FitInputs) -> Objective:
@@ -274,11 +284,11 @@ def _objective(given: FitInputs) -> Objective:
         ConfigError: both loss_fn and step_fn, or phases with fit's own step, optimizer or scheduler.
     """
     if given.phases:
-        both = [name for name in ("loss_fn", "step_fn", "optimizer", "scheduler", "param_groups")
+        both = [name for name in ("loss_fn", "step_fn", "optimizer", "scheduler", "param_groups", "after_update")
                 if getattr(given, name)]
         if both:
             raise ConfigError(f"give phases or {', '.join(both)}, not both: each Phase brings its step_fn, "
-                              "params, optimizer and scheduler")
+                              "params, optimizer, scheduler and after_update")
         return Objective(step_fn=given.phases[0].step_fn, metric_fn=given.metric_fn)
     if given.loss_fn is not None and given.step_fn is not None:
         raise ConfigError("give loss_fn or step_fn, not both: step_fn computes the loss itself")
@@ -374,7 +384,7 @@ def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSp
     for phase in phases:
         where = f"phase {phase.name!r}: " if given.phases else ""
         named += [(phase.objective, where + "the step function"), (phase.optimizer, where + "the optimizer factory"),
-                  (phase.scheduler, where + "the scheduler factory"),
+                  (phase.scheduler, where + "the scheduler factory"), (phase.after_update, where + "after_update"),
                   (phase.group_options, where + "the parameter groups' options")]
     for obj, what in named:
         try:
