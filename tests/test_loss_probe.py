@@ -7,8 +7,11 @@ user chose split="like_ddp", or refused before any worker starts with advice tha
 """
 import copy
 import functools
+import logging
+import random
 
 import pytest
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from helpers import assert_exact, plain_indices, worker_slices
+from helpers import assert_exact, cross_entropy, plain_fit as plain_loop, plain_indices, worker_slices
 from sn_trainer import ConfigError, Trainer
 from sn_trainer.engine.objective import Objective
 from sn_trainer.fit import loss_probe
@@ -236,6 +239,73 @@ def test_the_check_sees_a_mean_split_and_halves_a_nested_batch():
     with pytest.raises(LossDoesNotSplit, match="on worker 1's 6 samples"):
         split_check.verify(coupled, model, batch, 6, F64, step=0, rank=1)
     assert [split_check.due(s) for s in range(9)] == [True, True, False, True, False, False, False, True, False]
+
+
+# --- random draws, said: like DDP wherever each worker's streams make it so ---------------------------
+
+def mixup_in_place(model, batch):
+    """timm's Mixup as a step: the batch mixed in place with its flip, lam from numpy's generator; a
+    per-sample mean returned as (loss * n, n)."""
+    x, y = batch
+    lam = float(np.random.beta(1.0, 1.0))
+    x.mul_(lam).add_(x.flip(0) * (1 - lam))
+    n = len(y)
+    return F.cross_entropy(model(x), y) * n, n
+
+
+def pairs(n: int = 16):
+    g = torch.Generator().manual_seed(4)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g, dtype=F64), torch.randint(0, 3, (n,), generator=g))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_mixup_in_place_returned_as_a_pair_is_said_like_ddp_where_the_batch_splits(workers, caplog):
+    """The probe gives each call a fresh copy (an in-place mix is no state kept between calls), sees the
+    pair differ under other seeds, and the run says like DDP in its log and plan; at one slice a step
+    nothing is split and the run is exact."""
+    with caplog.at_level(logging.WARNING, logger="sn_trainer"):
+        result = Trainer(workers=workers, batch_size=8, max_steps=2, seed=1).fit(
+            nn.Linear(4, 3).double(), pairs(), optimizer=SGD, step_fn=mixup_in_place)
+    said = [r.getMessage() for r in caplog.records if "like DDP, not equal to one process" in r.getMessage()]
+    if workers == 1:
+        assert result.plan["exactness"] == "exact" and not said
+    else:
+        assert result.plan["exactness"].startswith("like DDP: step_fn draws random numbers (its (loss_sum, count) "
+                                                   "differs under other seeds")
+        assert len(said) == 1 and "step_fn draws random numbers" in said[0]
+
+
+class Noisy(Dataset):
+    """Samples augmented from the global generators: torch's noise and random's flip of sign."""
+
+    def __init__(self, n: int = 16):
+        g = torch.Generator().manual_seed(5)
+        self.x, self.y = torch.randn(n, 4, generator=g, dtype=F64), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        sign = -1.0 if random.random() < 0.5 else 1.0
+        return sign * self.x[i] + 0.1 * torch.randn(4, dtype=F64), self.y[i]
+
+
+def test_augmentation_from_the_global_generators_is_like_ddp_and_seeded_per_sample_is_exact(caplog):
+    from sn_trainer.data.seeded import SeededPerSample
+
+    with caplog.at_level(logging.WARNING, logger="sn_trainer"):
+        result = Trainer(workers=2, batch_size=8, max_steps=2, seed=1).fit(
+            nn.Linear(4, 3).double(), Noisy(), optimizer=SGD, loss_fn=F.cross_entropy)
+    assert result.plan["exactness"].startswith("like DDP: reading train_set draws from torch's, numpy's or random's")
+    assert any("SeededPerSample" in r.getMessage() for r in caplog.records)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    reference = plain_loop(copy.deepcopy(model), SeededPerSample(Noisy(), seed=3), 8, 2, 1, sgd_of, cross_entropy)
+    result = Trainer(workers=2, batch_size=8, max_steps=2, seed=1).fit(model, SeededPerSample(Noisy(), seed=3),
+                                                                       optimizer=SGD, loss_fn=F.cross_entropy)
+    assert result.plan["exactness"] == "exact"
+    assert_exact(model, reference)
 
 
 def test_a_loss_of_per_sample_parts_is_advised_its_sum_and_count():

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError
+from .seeded import sample_seed
 
 STATISTICS_SAMPLES = 1024  # images the per-channel mean and std are estimated from, spread over the set
 
@@ -142,7 +143,7 @@ class ImageFiles(Dataset):
 
     def _sample_seed(self, index: int) -> int:
         """What sample ``index``'s draws in this epoch are seeded with: the same in any worker, at any time."""
-        return (self.seed * 1_000_003 + self.epoch) * 1_000_003 + index
+        return sample_seed(self.seed, self.epoch, index)
 
     def _center_crop(self, image: np.ndarray) -> np.ndarray:
         """The middle crop_size x crop_size of ``image``: its top and left margins as torchvision's

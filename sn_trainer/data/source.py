@@ -34,9 +34,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError, DataError
+from . import random_state
 from .batching import collate, fetch_batch, share_dataset
 from .digest import ItemDigest
 from .sampler import GlobalBatches, slice_bounds, steps_per_epoch
+from .seeded import sample_seed
 
 if TYPE_CHECKING:
     from ..config import TrainerConfig
@@ -166,12 +168,18 @@ class IndexSource:
         return fetch_batch(self.dataset, torch.arange(min(samples, self.size)), self.collate_fn)
 
     def probe(self, count: int, unit: int = 1) -> tuple[Any, list[Any]]:
-        """Samples spread over the dataset."""
+        """Samples spread over the dataset, each read once, with the global generators seeded by
+        its index: a dataset that augments from them gives the batch and its parts the same
+        samples (read twice, they would differ, and the loss would look coupled)."""
         picked = torch.linspace(0, self.size - 1, min(count, self.size)).round().long().unique()
         parts = _parts(len(picked), unit)
         picked = picked[: parts[-1][1]] if parts else picked
-        return (fetch_batch(self.dataset, picked, self.collate_fn),
-                [fetch_batch(self.dataset, picked[lo:hi], self.collate_fn) for lo, hi in parts])
+        items = []
+        for index in picked.tolist():
+            with random_state.kept():
+                random_state.seed(sample_seed(0, 0, index))
+                items.append(self.dataset[index])
+        return _collate(items, self.collate_fn), [_collate(items[lo:hi], self.collate_fn) for lo, hi in parts]
 
     def first_item(self) -> Any:
         return self.dataset[0] if self.size else None

@@ -53,6 +53,9 @@ class Plan:
     progress_awaited: bool = False  # after a progress record, the workers wait for the callbacks (they may stop)
     # (step, nodes, workers in all): the run's first, then each change of them (a checkpoint carries it on)
     membership: tuple[tuple[int, int, int], ...] = ()
+    # Why the run trains like DDP rather than as one process (none: exact): random draws each worker
+    # makes from its own streams, a loss weighed as DDP weighs it (fit.resolve decides)
+    like_ddp: tuple[str, ...] = ()
 
     @property
     def runtime(self) -> Runtime:
@@ -130,7 +133,15 @@ class Plan:
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phase_forms],
                 "per_worker_batch": self.per_worker_batch, "data": data, "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps, "start_step": self.start_step, "notes": list(p.notes),
-                "compression": self.compression}
+                "compression": self.compression, "exactness": self.exactness}
+
+    @property
+    def exactness(self) -> str:
+        """Against one process training plain PyTorch on the same global batches: "exact", or
+        "like DDP: " and why."""
+        if self.settings.compress != "none" and self.placement.nodes > 1:
+            return "approximate: " + self.compression
+        return f"like DDP: {'; '.join(self.like_ddp)}" if self.like_ddp else "exact"
 
     @property
     def compression(self) -> str:

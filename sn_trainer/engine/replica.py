@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data import random_state
 from ..data.batching import in_layout
 from ..data.feed import Feed
 from ..data.source import Source, different_orders
 from ..errors import DataError
-from . import metric_states, position, random_state, split_check
+from . import metric_states, position, split_check
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .cluster import Cluster

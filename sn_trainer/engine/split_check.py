@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..errors import LossDoesNotSplit
-from . import random_state
+from ..data import random_state
 from .objective import MEAN, SUM, Objective, Precision
 
 CHECKED = {MEAN: "a per-sample mean", SUM: "a sum over the samples"}  # the scalar forms the probe recognises

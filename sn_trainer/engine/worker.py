@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 import torch
 
-from . import random_state
+from ..data import random_state
 from .events import CheckpointPart, Evaluation, Progress, WorkerResult
 from .memory import pss_bytes
 from .replica import Replica, WorkerSpec

@@ -29,6 +29,7 @@ A per-sample mean measured on a few samples is not trusted where the data holds 
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import random_state
+from ..data import random_state
 from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
-from ..engine.split_check import COUPLED_ADVICE, measuring
+from ..engine.split_check import COUPLED_ADVICE, measuring, tolerance as rounding
 from ..engine.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS,
                                SHIFTED_TOKENS_FROM_LOGITS, SUM, TOKENS, TOKENS_FROM_LOGITS, Objective, Precision,
                                kept_labels, model_outputs, output_loss, token_cross_entropy)
@@ -72,6 +73,7 @@ class Finding:
     form: str | None
     detail: str = ""
     advice: str = COUNTED_ADVICE
+    draws: str = ""  # the random draws the step makes ("": none seen): each worker's own, so like DDP where it splits
 
 
 def measure(objective: Objective, model: nn.Module, group: Any, singles: list[Any]) -> Finding:
@@ -96,7 +98,9 @@ def measure(objective: Objective, model: nn.Module, group: Any, singles: list[An
             return found
         if in_eval.form is not None:
             return Finding(in_eval.form, f"{in_eval.detail}, measured in eval mode (in training mode it draws "
-                                         "random numbers, each worker from its own streams)")
+                                         "random numbers, each worker from its own streams)",
+                           draws=f"{objective.what} draws random numbers in training mode (dropout called as a "
+                                 "function)")
     return found
 
 
@@ -104,23 +108,23 @@ def _measure(objective: Objective, model: nn.Module, group: Any, singles: list[A
     params = [p for _, p in trainable_parameters(model)]
     dtype = params[0].dtype if params else torch.float32
     with torch.no_grad(), random_state.kept(), gathering(Gathering()) as seen:  # only its kind matters here
-        first = objective.loss_value(model, group, FP32, dtype)
+        first = objective.loss_value(model, fresh(group), FP32, dtype)
     if seen.calls:
         return _gathered(first, objective)
-    if isinstance(first, (tuple, list)):
-        return Finding(COUNTED, "(loss_sum, count) given")  # nothing to measure
+    if isinstance(first, (tuple, list)):  # its form is given; whether it draws random numbers is not
+        return Finding(COUNTED, "(loss_sum, count) given", draws=_pair_draws(objective, model, group, dtype))
     if objective.model_loss and isinstance(group, Mapping) and "labels" in group:
         form = _token_form(model, group, dtype)
         if form is not None:
             return Finding(form, "the model's mean over the labels it keeps")
     if len(singles) < 2:
         return Finding(MEAN, "too few samples to split")
-    tolerance = min(1e-2, max(1e-6, 1000 * torch.finfo(dtype).eps))  # some models compute parts in fp32 anyway
+    tolerance = rounding(dtype)  # some models compute parts in fp32 anyway
 
     def vector(batch: Any, seed: int = 0) -> torch.Tensor:
         with random_state.kept():  # torch's, numpy's and random's streams seeded alike for every call
             random_state.seed(seed)
-            value = objective.loss_value(model, batch, FP32, dtype)
+            value = objective.loss_value(model, fresh(batch), FP32, dtype)
         loss = value.reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
         grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else [None] * len(params)
         return torch.cat([loss.detach().double().reshape(1)] +
@@ -136,7 +140,8 @@ def _measure(objective: Objective, model: nn.Module, group: Any, singles: list[A
     if _off(vector(group, seed=1), whole) > tolerance:
         return Finding(None, "its value changes between two calls on the same samples with other random seeds: the "
                              "model or the loss draws random numbers (dropout called as a function, a sampler, Mixup "
-                             "or noise in the step), so how it splits cannot be measured", RANDOM_ADVICE)
+                             "or noise in the step), so how it splits cannot be measured", RANDOM_ADVICE,
+                       draws=f"{objective.what} draws random numbers")
     each = torch.stack([vector(single) for single in singles])
     total, mean = each.sum(dim=0), each.mean(dim=0)
     if _off(whole, mean) <= tolerance:
@@ -152,6 +157,32 @@ def _measure(objective: Objective, model: nn.Module, group: Any, singles: list[A
     return Finding(None, f"{measured}, nor any weighed sum of them (off by {_off(whole, weighed):.2g}): one sample's "
                          "loss depends on the others in the batch (a contrastive loss over the batch's negatives, a "
                          "loss normalised by counts sampled over the batch)", COUPLED_ADVICE)
+
+
+def fresh(batch: Any) -> Any:
+    """A copy of ``batch``'s tensors for one call: a step that changes its batch in place (timm's
+    Mixup mixes it) gives the next call what it was given, not what it left. Its containers keep
+    their types (a namedtuple, a BatchEncoding); one that cannot be copied is given as it is."""
+    try:
+        return copy.deepcopy(batch)
+    except Exception:  # noqa: BLE001 - what a batch holds besides tensors is the user's: used as given
+        return batch
+
+
+def _pair_draws(objective: Objective, model: nn.Module, group: Any, dtype: torch.dtype) -> str:
+    """What random draws a step that returns ``(loss_sum, count)`` makes ("": its sum is the same
+    under other seeds): Mixup or noise in the step, each worker from its own streams."""
+    def loss_sum(seed: int) -> torch.Tensor:
+        with torch.no_grad(), random_state.kept():
+            random_state.seed(seed)
+            value = objective.loss_value(model, fresh(group), FP32, dtype)
+        return torch.as_tensor(value[0]).detach().double().reshape(1)
+
+    tolerance = rounding(dtype)
+    if _off(loss_sum(0), loss_sum(0)) <= tolerance < _off(loss_sum(1), loss_sum(0)):
+        return (f"{objective.what} draws random numbers (its (loss_sum, count) differs under other seeds: Mixup, "
+                "noise)")
+    return ""
 
 
 def _weighed(each: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..config import TrainerConfig
+from ..data import random_state
 from ..data.batching import COLLATE_NOTE, in_layout
 from ..data.source import Source
-from ..engine import metric_states, random_state
+from ..engine import metric_states
 from ..engine.gather import Gathering, gathering
 from ..engine.layout import trainable_parameters
 from ..engine.objective import MEAN, Objective, Precision

@@ -14,13 +14,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from ..checkpoint.files import CheckpointDir
 from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
+from ..data import random_state
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, different_orders, make_source
-from ..engine import compression, metric_states, random_state
+from ..engine import compression, metric_states
 from ..engine.cluster import Cluster
 from ..engine.launch import WorkerPickler, launch
 from ..engine.layout import FlatLayout, trainable_parameters
@@ -136,11 +138,13 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
                                                    sample_order(settings, train.size), {
                                                        name: getattr(settings, name) for name in AGREED_SETTINGS},
                                                    resume_from))
+    like_ddp = _like_ddp(model, phases, findings, rehearsal.data_draws_random) if splits else ()
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
                 evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
-                evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited)
+                evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited,
+                like_ddp=like_ddp)
     layout = FlatLayout(model, placement.workers, settings.channels_last, settings.shards)
     _say_compression(settings, phases, layout)
     return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
@@ -434,6 +438,33 @@ def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: pref
     for phase, found in zip(phases, findings.phases):
         phase.objective.form = _loss_form(found.loss, phase.objective, splits, split)
         _check_monitor(found.schedule_monitor, objective.eval_keys, evaluation)
+
+
+def _like_ddp(model: nn.Module, phases: list[PhaseSpec], findings: preflight.Findings,
+              data_draws_random: bool) -> tuple[str, ...]:
+    """Why a run that splits its batches trains like DDP rather than as one process would (none:
+    exact): random draws each worker makes from its own streams, and losses weighed as DDP weighs
+    them. Said at the default log level, and kept in the plan (summary.json's ``exactness``)."""
+    reasons = []
+    dropout = [name or type(model).__name__ for name, m in model.named_modules()
+               if isinstance(m, _DropoutNd) and m.p > 0]
+    if dropout:
+        reasons.append(f"the model's dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}) draws "
+                       "each worker's masks")
+    for phase, found in zip(phases, findings.phases):
+        prefix = f"phase {phase.name!r}: " if len(phases) > 1 else ""
+        if found.loss.draws:
+            reasons.append(prefix + found.loss.draws)
+        if phase.objective.form == LIKE_DDP:
+            reasons.append(f"{prefix}split=like_ddp weighs each worker's loss as DDP does")
+    if data_draws_random:
+        reasons.append("reading train_set draws from torch's, numpy's or random's global generators (augmentation); "
+                       "for exact augmentation, seed each sample's draws from (seed, epoch, index): wrap the "
+                       "dataset in sn_trainer.data.SeededPerSample")
+    if reasons:
+        log.warning("like DDP, not equal to one process: %s; each worker draws from its own streams (seeded from "
+                    "seed and rank: repeatable, same distribution, other numbers)", "; ".join(reasons))
+    return tuple(reasons)
 
 
 def _settle_metrics(objective: Objective, findings: preflight.Findings, global_workers: int) -> None:
