@@ -291,7 +291,7 @@ class Noisy(Dataset):
 
 
 def test_augmentation_from_the_global_generators_is_like_ddp_and_seeded_per_sample_is_exact(caplog):
-    from sn_trainer.data.seeded import SeededPerSample
+    from sn_trainer.data import SeededPerSample
 
     with caplog.at_level(logging.WARNING, logger="sn_trainer"):
         result = Trainer(workers=2, batch_size=8, max_steps=2, seed=1).fit(
