@@ -1,4 +1,4 @@
-"""Try every bad input the README's table lists and print what a user sees (a Markdown table).
+"""Try every bad input docs/getting-started.md's "Bad input" table lists and print what a user sees (a Markdown table).
 
     python scripts/bad_inputs.py > /tmp/table.md
 """

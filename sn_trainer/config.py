@@ -290,6 +290,15 @@ def setting_rows() -> Iterator[SettingRow]:
                              f.metadata.get("cli", True))
 
 
+def settings_markdown() -> str:
+    """Every Trainer setting as a Markdown table (the docs' settings reference, checked by a test)."""
+    lines = ["| keyword | in `TrainerConfig` | default | meaning |", "|---|---|---|---|"]
+    for row in setting_rows():
+        field = f"{row.part}.{row.name}" if row.part else row.name
+        lines.append(f"| `{row.keyword}` | `{field}` | `{row.default!r}` | {row.help} |")
+    return "\n".join(lines)
+
+
 def settings_text(width: int = 96) -> str:
     """Every setting with its default and help, for a docstring (``help(Trainer)``)."""
     import textwrap

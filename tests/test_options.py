@@ -1,5 +1,5 @@
 """One source of truth per option: the dataclasses' defaults and help, checked against the shipped
-YAML and the README's table, and shown by ``--help``."""
+YAML and the docs' settings reference, and shown by ``--help``."""
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 import sn_trainer
 from sn_trainer.cli.config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
+from sn_trainer.config import settings_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = Path(sn_trainer.__file__).with_name("conf")  # the copy shipped inside the package
@@ -54,10 +55,12 @@ def test_every_group_option_sets_known_keys_only():
             assert set(keys) <= known, f"{path.name}: unknown keys {set(keys) - known}"
 
 
-def test_the_readme_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    assert options_markdown() in readme, "README's options table is stale: paste the output of " \
-                                         "python -c 'from sn_trainer.cli.config import options_markdown; print(options_markdown())'"
+def test_the_settings_reference_holds_the_generated_tables():
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    assert options_markdown() in page, "docs/reference/settings.md's command-line table is stale: paste the output " \
+        "of python -c 'from sn_trainer.cli.config import options_markdown; print(options_markdown())'"
+    assert settings_markdown() in page, "docs/reference/settings.md's Trainer table is stale: paste the output " \
+        "of python -c 'from sn_trainer.config import settings_markdown; print(settings_markdown())'"
 
 
 def test_help_explains_every_key_with_its_default(tmp_path):

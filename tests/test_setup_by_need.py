@@ -22,7 +22,7 @@ PACKAGE = Path(sn_trainer.__file__).parent
 
 # What the test toolchain brings and training must never need.
 TEST_ONLY = ("transformers", "datasets", "lightning", "pytorch_lightning", "accelerate", "mlflow", "optuna", "pytest",
-             "timm", "ipykernel", "nbclient", "webdataset", "torchmetrics")
+             "timm", "ipykernel", "nbclient", "webdataset", "torchmetrics", "mkdocs")
 # Imported inside a function only where a setting or the user asks for it, each with an extra or a
 # one-line advice: logger=mlflow, the weights as safetensors, the GPT-2 encoding, a notebook's widget.
 OPTIONAL = {"mlflow", "safetensors", "tiktoken", "IPython"}

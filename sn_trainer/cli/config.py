@@ -259,7 +259,7 @@ def _unlike(value: Any, annotation: str) -> str | None:
 
 
 def option_rows() -> list[tuple[str, Any, str]]:
-    """Every command-line key with its default and help, in the order the README lists them."""
+    """Every command-line key with its default and help, in the order docs/reference/settings.md lists them."""
     rows = [(row.keyword, row.default, row.help) for row in setting_rows() if row.cli and row.part is None]
     rows.append(("profile", False, _help(RunConfig, "profile")))
     rows.append(("tune", False, _help(RunConfig, "tune")))
@@ -274,7 +274,7 @@ def _help(kind: type, name: str) -> str:
     return next(f.metadata["help"] for f in fields(kind) if f.name == name)
 
 
-# Where the command line's default differs from the Trainer's: (as the README shows it, as the YAML sets it).
+# Where the command line's default differs from the Trainer's: (as the docs show it, as the YAML sets it).
 CLI_DEFAULTS = {"checkpoint.dir": ("<output dir>/checkpoints", "${hydra:runtime.output_dir}/checkpoints")}
 
 
@@ -290,7 +290,7 @@ def yaml_value(value: Any) -> str:
 
 
 def options_markdown() -> str:
-    """The README's options table, generated from the help texts above."""
+    """The command line's options table (docs/reference/settings.md), generated from the help texts above."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, help_text in option_rows():
         shown = CLI_DEFAULTS[key][0] if key in CLI_DEFAULTS else yaml_value(default)

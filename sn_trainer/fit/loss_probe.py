@@ -5,7 +5,7 @@ by what the whole batch's loss is divided by. A step function or loss that retur
 does not say what that is, so it is measured on a copy of the model in the modes training runs
 it in (a detector computes its losses only in training mode), with dropout and batch norm put
 in eval for the measurement (their randomness and statistics are each worker's own, or synced,
-whatever the loss's form: see the README), from the loss and its gradient on a few samples:
+whatever the loss's form: see docs/exactness.md), from the loss and its gradient on a few samples:
 
 - the batch's loss and gradient equal the mean of each sample's alone: a per-sample mean;
 - they equal the sum of them: a sum over the samples;
