@@ -77,6 +77,31 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+def image_folder(root: Path) -> Path:
+    """train/ and test/, two classes of four 10x10 JPEGs each."""
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(4):
+                colour = (60 * i, 90, 200 if cls == "a" else 20)
+                Image.new("RGB", (10, 10), colour).save(root / split / cls / f"{i}.jpg")
+    return root
+
+
+def test_the_imagenet_recipe_runs_from_the_command_line(tmp_path):
+    """dataset.augment=resized_crop: random resized crops of the 8x8 images to 6, a center crop to test."""
+    out = tmp_path / "run"
+    proc = sn_train(["dataset=folder", f"dataset.root={image_folder(tmp_path / 'images')}", "dataset.image_size=8",
+                     "dataset.augment=resized_crop", "dataset.crop_size=6", "model=mlp", "batch_size=4", "workers=2",
+                     "max_steps=2", f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1, summary
+    assert summary["config"]["dataset"]["augment"] == "resized_crop" and summary["config"]["dataset"]["crop_size"] == 6
+
+
 @pytest.mark.parametrize("bad", ["train/b/3.jpg", "test/a/1.jpg"])
 def test_an_image_file_nothing_decodes_is_one_line_naming_it(tmp_path, bad):
     """A PNG named .jpg is read (as ImageFolder reads it); a file neither torchvision nor Pillow
@@ -84,13 +109,7 @@ def test_an_image_file_nothing_decodes_is_one_line_naming_it(tmp_path, bad):
     a worker does (the first evaluation batch)."""
     from PIL import Image
 
-    root = tmp_path / "images"
-    for split in ("train", "test"):
-        for cls in ("a", "b"):
-            (root / split / cls).mkdir(parents=True)
-            for i in range(4):
-                colour = (60 * i, 90, 200 if cls == "a" else 20)
-                Image.new("RGB", (10, 10), colour).save(root / split / cls / f"{i}.jpg")
+    root = image_folder(tmp_path / "images")
     Image.new("RGB", (10, 10), (1, 2, 3)).save(root / "train" / "a" / "png-named.jpg", format="PNG")
     (root / bad).write_bytes(b"\xff\xd8\xff\xe0 and then nothing a decoder reads")
     proc = sn_train(["dataset=folder", f"dataset.root={root}", "dataset.image_size=8", "model=mlp", "batch_size=4",

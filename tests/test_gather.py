@@ -228,7 +228,7 @@ def gathered_pair(model, batch):
     return F.cross_entropy(similarity, positives, reduction="sum"), torch.tensor(2 * n)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [2, 3])  # at one worker gather is the tensor itself
 def test_a_gathered_step_returning_loss_sum_and_count_trains_as_its_scalar_mean(workers):
     """(loss_sum, count) over the gathered batch is the scalar loss_sum / count: the same run."""
     torch.manual_seed(0)
