@@ -151,8 +151,17 @@ def token_dataset(n: int = 48, block: int = 8, vocab: int = 11, seed: int = 1, p
     return TensorDataset(tokens[:, :-1].contiguous(), targets)
 
 
+def in_a_worker() -> bool:
+    """Whether the calling code runs inside a worker's training step or evaluation (not the
+    rehearsal before the run, which may run in the test's own process, calling the model as often
+    as it needs): the faults below count only these calls."""
+    from sn_trainer.engine import position
+
+    return position._current.get() is not None
+
+
 class Bomb(nn.Module):
-    """Wraps a model; on its ``at_call``-th forward, the first worker to get there fails.
+    """Wraps a model; on its ``at_call``-th forward in a worker, the first worker to get there fails.
 
     The flag file decides which worker (O_EXCL: exactly one wins) and records when it failed,
     so a test can time the teardown from the failure itself.
@@ -164,7 +173,7 @@ class Bomb(nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += in_a_worker()
         if self.calls == self.at_call:
             try:
                 fd = os.open(self.flag_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -179,14 +188,16 @@ class Bomb(nn.Module):
 
 
 class ReportsPlacement(nn.Module):
-    """Wraps a model; every forward appends this process's pid, CPUs and torch thread counts to a
-    JSON-lines file, so a test sees where each worker really ran."""
+    """Wraps a model; every forward in a worker appends this process's pid, CPUs and torch thread
+    counts to a JSON-lines file, so a test sees where each worker really ran."""
 
     def __init__(self, inner: nn.Module, path: str):
         super().__init__()
         self.inner, self.path = inner, path
 
     def forward(self, x):
+        if not in_a_worker():  # the rehearsal's calls, wherever it runs, are no worker's
+            return self.inner(x)
         line = json.dumps({"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
                            "threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads()})
         with open(self.path, "a") as log:  # one short append per call: whole lines from every process
@@ -259,7 +270,7 @@ class NaNAt(nn.Module):
         self.inner, self.at_call, self.calls = inner, at_call, 0
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += in_a_worker()
         out = self.inner(x)
         return out * float("nan") if self.calls == self.at_call else out
 
@@ -275,7 +286,7 @@ class NaNGradAt(nn.Module):
         self.inner, self.at_call, self.rank, self.calls = inner, at_call, rank, 0
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += in_a_worker()
         out = self.inner(x)
         my_rank = torch.initial_seed() % 1000  # each worker seeds torch with seed * 1000 + its rank
         return _NaNGradient.apply(out) if self.calls == self.at_call and my_rank == self.rank else out

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ReportsPlacement, SmallConvNet, assert_exact, assert_same_parameters, live_children, plain_fit, \
-    processes_with_marker, tiny_dataset
+from helpers import ReportsPlacement, SmallConvNet, assert_exact, assert_same_parameters, in_a_worker, live_children, \
+    plain_fit, processes_with_marker, tiny_dataset
 from sn_trainer import CheckpointError, Trainer, WorkerFailed
 from sn_trainer.checkpoint import CheckpointDir
 from test_faults import LONG_RUN, start_cli, wait_for_step
@@ -86,7 +86,7 @@ class Stalls(torch.nn.Module):
         self.inner, self.at_call, self.rank, self.calls = inner, at_call, rank, 0
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += in_a_worker()
         if self.calls == self.at_call and torch.initial_seed() % 1000 == self.rank:
             os.kill(os.getpid(), signal.SIGSTOP)
         return self.inner(x)
@@ -219,11 +219,11 @@ def test_drop_last_false_trains_the_last_partial_batch_exactly(workers, batch_si
 
 def test_a_killed_launcher_leaves_no_process_and_its_directory_goes_with_the_next_run(tmp_path):
     script = ("import os, signal, sys; sys.path.insert(0, %r)\n"
-              "from helpers import Bomb, SmallConvNet, tiny_dataset\n"
+              "from helpers import Bomb, SmallConvNet, in_a_worker, tiny_dataset\n"
               "from sn_trainer import Trainer\n"
               "class KillLauncher(Bomb):\n"
               "    def forward(self, x):\n"
-              "        self.calls += 1\n"
+              "        self.calls += in_a_worker()\n"
               "        if self.calls == 3: os.kill(int(self.flag_path), signal.SIGKILL)\n"
               "        return self.inner(x)\n"
               "if __name__ == '__main__':\n"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import SmallConvNet, tiny_dataset
+from helpers import SmallConvNet, in_a_worker, tiny_dataset
 from sn_trainer import CheckpointError, DataError, Trainer
 from sn_trainer import checkpoint
 from sn_trainer.cli.config import DatasetConfig
@@ -31,7 +31,7 @@ class SocketProbe(nn.Module):
     def forward(self, x):
         import psutil
 
-        self.calls += 1
+        self.calls += in_a_worker()
         if self.calls == 3:
             listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"]
             record = {"listening": listening, "shm": os.listdir("/dev/shm")}

@@ -1,0 +1,153 @@
+"""One worker against plain PyTorch, side by side in one run: what sn_trainer costs where nothing is split.
+
+At W=1 sn_trainer runs the plain loop's work in one worker process (its model in shared memory,
+its gradient in one flat buffer, its data read by the Trainer's sampler and the dataset's
+collate_fn): it should cost what plain PyTorch costs with the same threads. Cases:
+
+- lstm b128: an embedding, a 2-layer LSTM over packed variable-length sequences (lengths 8-64)
+  and a linear head, padded by a collate_fn;
+- lenet b64: LeNet on synthetic 28x28 images.
+
+Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``, the same global
+batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
+the warm-up, medians over rounds.
+
+    python scripts/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] --out results/<machine>/w1_bench
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+from torch.utils.data import Dataset, RandomSampler, TensorDataset
+
+from sn_trainer import Trainer
+from sn_trainer.engine.machine import describe_machine
+from sn_trainer.models import build_model
+from sn_trainer.report.results import write_result
+
+VOCAB, CLASSES = 1000, 10
+
+
+class Sequences(Dataset):
+    def __init__(self, n: int = 4096):
+        g = torch.Generator().manual_seed(0)
+        self.lengths = torch.randint(8, 65, (n,), generator=g)
+        self.tokens = [torch.randint(0, VOCAB, (int(length),), generator=g) for length in self.lengths]
+        self.labels = torch.randint(0, CLASSES, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i], self.labels[i]
+
+
+def pad(items):
+    tokens, labels = zip(*items)
+    return pad_sequence(tokens, batch_first=True), torch.tensor([len(t) for t in tokens]), torch.stack(labels)
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, CLASSES)
+
+    def forward(self, tokens, lengths):
+        packed = pack_padded_sequence(self.embed(tokens), lengths, batch_first=True, enforce_sorted=False)
+        _, (hidden, _) = self.lstm(packed)
+        return self.head(hidden[-1])
+
+
+def lstm_step(model, batch):
+    tokens, lengths, labels = batch
+    return F.cross_entropy(model(tokens, lengths), labels)
+
+
+def image_step(model, batch):
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def cases():
+    torch.manual_seed(0)
+    images = TensorDataset(torch.randn(4096, 1, 28, 28), torch.randint(0, 10, (4096,)))
+    return {"lstm b128": (PackedLSTM, Sequences(), pad, lstm_step, 128),
+            "lenet b64": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, 64)}
+
+
+def plain(build, data, collate, step, batch, steps, warmup) -> float:
+    """Samples/s of plain PyTorch over the Trainer's global batches (its sampler, seed 0)."""
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    order = list(RandomSampler(range(len(data)), generator=torch.Generator().manual_seed(0)))
+    started = 0.0
+    for index in range(warmup + steps):
+        if index == warmup:
+            started = time.perf_counter()
+        picked = order[index * batch : (index + 1) * batch]
+        items = [data[i] for i in picked]
+        inputs = collate(items) if collate else tuple(torch.stack(x) for x in zip(*items))
+        optimizer.zero_grad()
+        step(model, inputs).backward()
+        optimizer.step()
+    return steps * batch / (time.perf_counter() - started)
+
+
+def trainer(build, data, collate, step, batch, steps, warmup, threads) -> float:
+    torch.manual_seed(0)
+    result = Trainer(workers=1, threads=threads, batch_size=batch, max_steps=warmup + steps, measure_after=warmup,
+                     seed=0).fit(build(), data, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                                 step_fn=step, collate_fn=collate)
+    return result.samples_per_sec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cases", default="lstm b128,lenet b64")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    chosen = {k: v for k, v in cases().items() if k in args.cases.split(",")}
+    rows: dict[str, dict[str, list[float]]] = {k: {"plain": [], "sn": []} for k in chosen}
+    for round_index in range(args.rounds):
+        for label, (build, data, collate, step, batch) in chosen.items():
+            rows[label]["plain"].append(plain(build, data, collate, step, batch, args.steps, args.warmup))
+            rows[label]["sn"].append(trainer(build, data, collate, step, batch, args.steps, args.warmup,
+                                             args.threads))
+            print(f"round {round_index + 1} {label}: plain {rows[label]['plain'][-1]:.0f}, "
+                  f"sn_trainer {rows[label]['sn'][-1]:.0f} samples/s", flush=True)
+    machine = describe_machine()
+    lines = ["# One worker against plain PyTorch", "",
+             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
+             f"`python scripts/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
+             f"--threads {args.threads}`: {args.threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
+             f"batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
+             f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"
+             + (" (other processes were running)." if load > 0.5 else "."), "",
+             "| case | plain PyTorch | sn_trainer, W=1 | sn / plain |", "|---|---:|---:|---:|"]
+    for label, row in rows.items():
+        p, s = statistics.median(row["plain"]), statistics.median(row["sn"])
+        lines.append(f"| {label} | {p:.0f} [{min(row['plain']):.0f}-{max(row['plain']):.0f}] | {s:.0f} "
+                     f"[{min(row['sn']):.0f}-{max(row['sn']):.0f}] | {s / p:.2f} |")
+    write_result(args.out, {"machine": machine, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+                            "threads": args.threads, "rows": rows, "load_average": load}, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
