@@ -5,7 +5,8 @@ its gradient in one flat buffer, its data read by the Trainer's sampler and the 
 collate_fn): it should cost what plain PyTorch costs with the same threads. Cases:
 
 - lstm b128: an embedding, a 2-layer LSTM over packed variable-length sequences (lengths 8-64)
-  and a linear head, padded by a collate_fn;
+  and a linear head, padded by a collate_fn and packed in the model;
+- lstm b128 packed: the same network, its batch a PackedSequence packed by the collate_fn;
 - lenet b64: LeNet on synthetic 28x28 images.
 
 Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``, the same global
@@ -25,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence, pad_sequence
 from torch.utils.data import Dataset, RandomSampler, TensorDataset
 
 from sn_trainer import Trainer
@@ -37,7 +38,7 @@ VOCAB, CLASSES = 1000, 10
 
 
 class Sequences(Dataset):
-    def __init__(self, n: int = 4096):
+    def __init__(self, n: int = 8192):
         g = torch.Generator().manual_seed(0)
         self.lengths = torch.randint(8, 65, (n,), generator=g)
         self.tokens = [torch.randint(0, VOCAB, (int(length),), generator=g) for length in self.lengths]
@@ -68,9 +69,35 @@ class PackedLSTM(nn.Module):
         return self.head(hidden[-1])
 
 
+def pack(items):
+    tokens, labels = zip(*items)
+    return pack_sequence(list(tokens), enforce_sorted=False), torch.stack(labels)
+
+
+class LSTMOverPacked(nn.Module):
+    """The same network, its batch a PackedSequence the collate_fn packed."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2)
+        self.head = nn.Linear(128, CLASSES)
+
+    def forward(self, packed):
+        embedded = PackedSequence(self.embed(packed.data), packed.batch_sizes, packed.sorted_indices,
+                                  packed.unsorted_indices)
+        _, (hidden, _) = self.lstm(embedded)
+        return self.head(hidden[-1])
+
+
 def lstm_step(model, batch):
     tokens, lengths, labels = batch
     return F.cross_entropy(model(tokens, lengths), labels)
+
+
+def packed_step(model, batch):
+    packed, labels = batch
+    return F.cross_entropy(model(packed), labels)
 
 
 def image_step(model, batch):
@@ -81,7 +108,9 @@ def image_step(model, batch):
 def cases():
     torch.manual_seed(0)
     images = TensorDataset(torch.randn(4096, 1, 28, 28), torch.randint(0, 10, (4096,)))
-    return {"lstm b128": (PackedLSTM, Sequences(), pad, lstm_step, 128),
+    sequences = Sequences()
+    return {"lstm b128": (PackedLSTM, sequences, pad, lstm_step, 128),
+            "lstm b128 packed": (LSTMOverPacked, sequences, pack, packed_step, 128),
             "lenet b64": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, 64)}
 
 
@@ -118,7 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--cases", default="lstm b128,lenet b64")
+    parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
