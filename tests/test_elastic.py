@@ -121,7 +121,7 @@ def lose_one_then_join(tmp_path, nnodes: str, first: int, *job) -> tuple[list[st
     when a node of the smaller round says it holds, start one more. Every node's output (also in
     ``node<i>.log``) and the survivors' exit codes."""
     marker, port, run_id = uuid.uuid4().hex, free_port(), uuid.uuid4().hex[:8]
-    nodes, outputs, readers = [], [], []
+    nodes, outputs, readers, failed = [], [], [], None
     try:
         for index in range(first):
             nodes.append(start_node(port, run_id, marker, nnodes, *job))
@@ -135,10 +135,16 @@ def lose_one_then_join(tmp_path, nnodes: str, first: int, *job) -> tuple[list[st
         readers.append(collect(nodes[-1], outputs))
         for node in nodes:
             node.wait(timeout=240)
+    except AssertionError as error:
+        failed = error
     finally:
         end_all(nodes, readers)
     for index, out in enumerate(outputs):
         (tmp_path / f"node{index}.log").write_text(out)
+    if failed is not None:  # what each node said, in the report: the nodes' logs go with tmp_path
+        codes = [node.returncode for node in nodes]
+        raise AssertionError(f"{failed} (exit codes {codes}; the end of each node's output follows)\n" + "\n".join(
+            f"--- node {index} ---\n{out[-1500:]}" for index, out in enumerate(outputs))) from None
     assert processes_with_marker(marker) == []
     return outputs, [node.returncode for node in nodes if node.pid != victim["agent"]]
 
