@@ -8,6 +8,7 @@ user chose split="like_ddp", or refused before any worker starts with advice tha
 import copy
 import functools
 import logging
+import os
 import random
 
 import pytest
@@ -488,6 +489,9 @@ def ddp_rank(rank, world, store_path, out_path, state, batch_size, steps, seed):
             torch.save(model.state_dict(), out_path)
     finally:
         dist.destroy_process_group()
+    # Done and saved: leave without Python's teardown, which gloo's threads abort (SIGABRT) at times,
+    # as sn_trainer.launch's child leaves.
+    os._exit(0)
 
 
 def test_a_detector_with_split_like_ddp_trains_as_torchs_ddp(tmp_path):
