@@ -178,8 +178,8 @@ def _pair_draws(objective: Objective, model: nn.Module, group: Any, dtype: torch
             value = objective.loss_value(model, fresh(group), FP32, dtype)
         return torch.as_tensor(value[0]).detach().double().reshape(1)
 
-    tolerance = rounding(dtype)
-    if _off(loss_sum(0), loss_sum(0)) <= tolerance < _off(loss_sum(1), loss_sum(0)):
+    tolerance, first = rounding(dtype), loss_sum(0)
+    if _off(loss_sum(0), first) <= tolerance < _off(loss_sum(1), first):
         return (f"{objective.what} draws random numbers (its (loss_sum, count) differs under other seeds: Mixup, "
                 "noise)")
     return ""
