@@ -11,9 +11,11 @@ collate_fn): it should cost what plain PyTorch costs with the same threads. Case
 
 Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``, the same global
 batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
-the warm-up, medians over rounds.
+the warm-up, medians over rounds. ``--threads auto`` compares the two as a user first meets them:
+plain PyTorch with torch's default threads (every core) against ``Trainer(workers=1)`` with its
+default, ``threads=auto`` (every usable core to the one worker).
 
-    python scripts/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] --out results/<machine>/w1_bench
+    python scripts/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] [--threads N|auto] --out results/<machine>/w1_bench
 """
 from __future__ import annotations
 
@@ -146,11 +148,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=lambda v: v if v == "auto" else int(v), default=1)
     parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads != "auto":
+        torch.set_num_threads(args.threads)
+    plain_threads = torch.get_num_threads()
     load = os.getloadavg()[0]
     chosen = {k: v for k, v in cases().items() if k in args.cases.split(",")}
     rows: dict[str, dict[str, list[float]]] = {k: {"plain": [], "sn": []} for k in chosen}
@@ -165,7 +169,7 @@ def main() -> None:
     lines = ["# One worker against plain PyTorch", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
              f"`python scripts/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-             f"--threads {args.threads}`: {args.threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
+             f"--threads {args.threads}`: {plain_threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
              f"batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
              f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"
              + (" (other processes were running)." if load > 0.5 else "."), "",

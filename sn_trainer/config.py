@@ -102,7 +102,9 @@ class TrainerConfig:
     batch_size: int = option(64, "global batch per micro-step, split across the workers (and nodes)")
     workers: int | str = option("auto", "worker processes; `auto` = physical cores // threads (the cores a "
                                         "container's CPU quota and cpuset allow)")
-    threads: int = option(1, "intra-op threads per worker, each on a physical core of its own")
+    threads: int | str = option("auto", "intra-op threads per worker, each on a physical core of its own; `auto` = 1 "
+                                        "where workers is auto, else the usable physical cores // workers (one worker "
+                                        "gets the whole machine, as plain PyTorch does)")
     epochs: int = option(8, "passes over the training set (ignored when max_steps is set)")
     max_steps: int | None = option(None, "when set, stop after this many optimizer steps")
     seed: int = option(0, "decides the sample order and each worker's random state")
@@ -179,12 +181,13 @@ class TrainerConfig:
     on_nan: str = option("stop", "a non-finite loss or gradient: `stop` (naming the step) or `skip` that update")
 
     def __post_init__(self) -> None:
-        if isinstance(self.workers, str):
-            require(self.workers == "auto", f"workers must be a positive integer or 'auto', got {self.workers!r}")
-        else:
-            require(is_int(self.workers) and self.workers >= 1,
-                    f"workers must be >= 1 (or 'auto'), got {self.workers!r}")
-        for name in ("threads", "batch_size", "epochs", "accumulate", "log_every", "eval_batch_size", "profile_steps"):
+        for name in ("workers", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                require(value == "auto", f"{name} must be a positive integer or 'auto', got {value!r}")
+            else:
+                require(is_int(value) and value >= 1, f"{name} must be >= 1 (or 'auto'), got {value!r}")
+        for name in ("batch_size", "epochs", "accumulate", "log_every", "eval_batch_size", "profile_steps"):
             positive_int(getattr(self, name), name)
         for name in ("max_steps", "eval_every", "max_eval_batches"):
             positive_int(getattr(self, name), name, nullable=True)

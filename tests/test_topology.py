@@ -138,3 +138,23 @@ def test_a_cpu_max_that_cannot_be_parsed_is_no_limit_said_in_one_warning(tmp_pat
                      "taken as no CPU limit",
                      f"{root}/fs/cgroup/box/cpuset.cpus.effective holds '0-x', not a list of CPUs such as 0-3,8: "
                      "taken as no cpuset"]
+
+
+@pytest.mark.parametrize("workers, threads, quota, tuned, expected", [
+    ("auto", "auto", None, None, (16, 1)),  # a worker per core: the SingleCaffe shape
+    (1, "auto", None, None, (1, 16)),  # one worker has every core, as one plain PyTorch process does
+    (4, "auto", None, None, (4, 4)),
+    (3, "auto", 7.5, None, (3, 2)),  # the cores the container's quota allows, shared out
+    (32, "auto", None, None, (32, 1)),
+    ("auto", 4, None, None, (4, 4)),
+    (2, 1, None, None, (2, 1)),  # both given: as given
+    ("auto", "auto", None, {"workers": 8, "threads": 2}, (8, 2)),  # the tuned pair
+    ("auto", 4, None, {"workers": 8, "threads": 2}, (4, 4)),  # threads given: the tuned pair does not apply
+])
+def test_workers_and_threads_fill_the_usable_cores(workers, threads, quota, tuned, expected):
+    from sn_trainer.config import TrainerConfig
+    from sn_trainer.engine.topology import PhysicalCore, Topology
+    from sn_trainer.fit.decide import workers_and_threads
+
+    topology = Topology(tuple(PhysicalCore(0, core, 0, (core,)) for core in range(16)), cpu_quota=quota)
+    assert workers_and_threads(TrainerConfig(workers=workers, threads=threads), topology, tuned) == expected

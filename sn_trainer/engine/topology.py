@@ -210,6 +210,12 @@ def auto_workers(topology: Topology, threads: int) -> int:
     return workers
 
 
+def auto_threads(topology: Topology, workers: int) -> int:
+    """``threads=auto`` beside a given worker count: the usable cores shared out among the workers
+    (at least one thread each)."""
+    return max(1, topology.usable_cores // workers)
+
+
 def oversubscription(topology: Topology, workers: int, threads: int) -> str | None:
     """Why ``workers`` x ``threads`` would share cores here, or None when each gets its own."""
     need = workers * threads

@@ -18,7 +18,7 @@ from ..engine.launch import starts_warm
 from ..engine.machine import bf16_supported
 from ..engine.plan import Placement
 from ..engine.runtime import Runtime
-from ..engine.topology import Topology, auto_workers, plan_pinning
+from ..engine.topology import Topology, auto_threads, auto_workers, plan_pinning
 from ..errors import ConfigError
 from ..optim import shard_kind
 
@@ -37,9 +37,7 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
             unknown reducer, a runtime library that is not installed).
     """
     nodes = cluster.nodes if cluster else 1
-    threads = tuned["threads"] if tuned and config.workers == "auto" else config.threads
-    workers = (tuned["workers"] if tuned else auto_workers(topology, threads)) if config.workers == "auto" \
-        else config.workers
+    workers, threads = workers_and_threads(config, topology, tuned)
     if config.batch_size < workers * nodes:
         raise ConfigError(f"batch_size={config.batch_size} is smaller than workers={workers}"
                           f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
@@ -70,6 +68,18 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
                                    compress=compress, allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
     return settings, Placement(tuple(plan_pinning(topology, workers, threads)), nodes,
                                cluster.node_rank if cluster else 0, tuple(notes))
+
+
+def workers_and_threads(config: TrainerConfig, topology: Topology, tuned: dict[str, Any] | None) -> tuple[int, int]:
+    """``workers`` and ``threads`` with their autos decided: both auto, the tuned pair or one thread per
+    usable core; one given, the other fills the usable cores (a single worker gets all of them, as one
+    plain PyTorch process does)."""
+    if config.workers != "auto":
+        return config.workers, (auto_threads(topology, config.workers) if config.threads == "auto" else config.threads)
+    if tuned and config.threads in ("auto", tuned["threads"]):
+        return tuned["workers"], tuned["threads"]
+    threads = 1 if config.threads == "auto" else config.threads
+    return auto_workers(topology, threads), threads
 
 
 def tuned_for(config: TrainerConfig, cluster: Cluster | None, model: nn.Module) -> dict[str, Any] | None:
