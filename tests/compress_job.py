@@ -36,8 +36,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     cluster = Cluster.from_env(os.environ)
     net = model()
-    result = Trainer(cluster=cluster, workers=args.workers, batch_size=12, max_steps=args.steps, seed=3, comm="shm",
-                     compress=args.compress, compress_rank=args.rank, compress_after=args.after,
+    result = Trainer(cluster=cluster, workers=args.workers, threads=1, batch_size=12, max_steps=args.steps, seed=3,
+                     comm="shm", compress=args.compress, compress_rank=args.rank, compress_after=args.after,
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1,
                      resume=args.resume).fit(net, tiny_dataset(), optimizer=SGD)
     torch.save(net.state_dict(), os.path.join(args.out, f"params{cluster.node_rank}.pt"))

@@ -81,8 +81,8 @@ def main() -> None:
     open(os.path.join(args.out, start), "w").close()  # this node's process started, after so many restarts
     torch.manual_seed(0)
     model = SmallConvNet().double()
-    result = Trainer(cluster=cluster, workers=1, batch_size=args.batch_size, max_steps=args.steps, seed=SEED,
-                     comm="shm", checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1, log_every=1,
+    result = Trainer(cluster=cluster, workers=1, threads=1, batch_size=args.batch_size, max_steps=args.steps,
+                     seed=SEED, comm="shm", checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1, log_every=1,
                      rewarmup_steps=REWARMUP, worker_timeout=args.worker_timeout).fit(model, tiny_dataset(dtype=torch.float64), optimizer=SGD,
                                                    callbacks=[Holds(cluster, args)])
     if cluster.is_leader:

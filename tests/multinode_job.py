@@ -33,7 +33,7 @@ def main() -> None:
     # goes off on one node only, and once: its flag file stays.
     armed = cluster.node_rank == args.kill_on_node
     model = Bomb(model, os.path.join(args.out, "flag"), "kill", at_call=3 if armed else 10**9)
-    Trainer(cluster=cluster, workers=args.workers, batch_size=12, max_steps=args.steps, seed=3, comm="shm",
+    Trainer(cluster=cluster, workers=args.workers, threads=1, batch_size=12, max_steps=args.steps, seed=3, comm="shm",
             checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=1).fit(model, tiny_dataset(), optimizer=SGD)
     if cluster.is_leader:
         state = {k.removeprefix("inner."): v for k, v in model.state_dict().items()}

@@ -19,7 +19,7 @@ def test_report_of_a_two_by_two_benchmark_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_module("sn_trainer", [
         "--multirun", "dataset=synthetic", "dataset.train_size=512", "dataset.test_size=16",
-        "bench.enabled=true", "bench.steps=4", "bench.warmup=1", "batch_size=16,32", "workers=1,2",
+        "bench.enabled=true", "bench.steps=4", "bench.warmup=1", "batch_size=16,32", "workers=1,2", "threads=1",
         "profile=true", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"report: python -m sn_trainer.report {sweep}" in proc.stdout
