@@ -354,9 +354,9 @@ def gan_data():
                                           torch.randn(56, 4, generator=g, dtype=F64))
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
-
+def plain_gan(after_d=None):
+    """A fresh TinyGAN, and a copy trained 6 steps as DCGAN's loop trains: D's update (then
+    ``after_d`` on the model), then G's, on each batch of 7."""
     torch.manual_seed(0)
     model = TinyGAN().double()
     reference = copy.deepcopy(model)
@@ -365,9 +365,18 @@ def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
         opt_d.zero_grad()
         discriminator_step(reference, batch).backward()
         opt_d.step()
+        if after_d is not None:
+            with torch.no_grad():
+                after_d(reference)
         opt_g.zero_grad()
         generator_step(reference, batch).backward()
         opt_g.step()
+    return model, reference
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_gan_updates_d_then_g_as_dcgans_loop_does(workers):
+    model, reference = plain_gan()
     result = Trainer(workers=workers, batch_size=7, max_steps=6, seed=3, log_every=1).fit(
         model, gan_data(), phases=[Phase(discriminator_step, discriminator_params, ADAM, name="D"),
                                    Phase(generator_step, generator_params, ADAM, name="G")])
@@ -441,19 +450,7 @@ def clip_critic(model):
 
 def test_a_phases_after_update_runs_after_its_own_update_before_the_next_phase():
     """WGAN: the critic is clipped after the critic's step, and the generator's step sees it clipped."""
-    torch.manual_seed(0)
-    model = TinyGAN().double()
-    reference = copy.deepcopy(model)
-    opt_d, opt_g = ADAM(reference.D.parameters()), ADAM(reference.G.parameters())
-    for _, batch in zip(range(6), plain_batches(gan_data(), 7, seed=3)):
-        opt_d.zero_grad()
-        discriminator_step(reference, batch).backward()
-        opt_d.step()
-        with torch.no_grad():
-            clip_critic(reference)
-        opt_g.zero_grad()
-        generator_step(reference, batch).backward()
-        opt_g.step()
+    model, reference = plain_gan(after_d=clip_critic)
     Trainer(workers=2, batch_size=7, max_steps=6, seed=3).fit(
         model, gan_data(), phases=[Phase(discriminator_step, discriminator_params, ADAM, name="D",
                                          after_update=clip_critic),
