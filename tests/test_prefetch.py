@@ -20,19 +20,23 @@ pytestmark = pytest.mark.timeout(240)
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """40 JPEG files of 10x10 in three class folders."""
+def image_folder(root, side: int, suffix: str, **save):
+    """40 images of side x side in three class folders, each class a little brighter."""
     from PIL import Image
 
-    root = tmp_path_factory.mktemp("images")
     g = torch.Generator().manual_seed(0)
     for i in range(40):
         label = i % 3
-        pixels = (torch.rand(10, 10, 3, generator=g) * 80 + 60 * label).to(torch.uint8).numpy()
+        pixels = (torch.rand(side, side, 3, generator=g) * 80 + 60 * label).to(torch.uint8).numpy()
         (root / f"class{label}").mkdir(exist_ok=True)
-        Image.fromarray(pixels).save(root / f"class{label}" / f"{i}.jpg", quality=90)
+        Image.fromarray(pixels).save(root / f"class{label}" / f"{i}.{suffix}", **save)
     return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """40 JPEG files of 10x10 in three class folders."""
+    return image_folder(tmp_path_factory.mktemp("images"), 10, "jpg", quality=90)
 
 
 def step(model, batch):
@@ -74,16 +78,7 @@ def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder
 @pytest.fixture(scope="module")
 def png_folder(tmp_path_factory):
     """40 PNG files of 12x12 in three class folders: lossless, so Pillow and torchvision read the same pixels."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("png_images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(40):
-        label = i % 3
-        pixels = (torch.rand(12, 12, 3, generator=g) * 80 + 60 * label).to(torch.uint8).numpy()
-        (root / f"class{label}").mkdir(exist_ok=True)
-        Image.fromarray(pixels).save(root / f"class{label}" / f"{i}.png")
-    return root
+    return image_folder(tmp_path_factory.mktemp("png_images"), 12, "png")
 
 
 class PlainImageNetRecipe(Dataset):
