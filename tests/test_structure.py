@@ -168,7 +168,7 @@ def test_no_import_runs_in_a_circle():
 
 @pytest.mark.parametrize("where, forbidden", [
     ("report", ("sn_trainer.trainer", "sn_trainer.fit", "sn_trainer.tuner", "sn_trainer.cli")),  # predict_table
-    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/machine.py)
+    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/node/machine.py)
     ("data", ("sn_trainer.cli",)),  # the command line's dataset catalogue is the command line's
 ])
 def test_the_three_imports_that_ran_back_up_stay_gone(where, forbidden):
@@ -189,7 +189,7 @@ def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
 def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
     offenders = []
     for path in sorted((PACKAGE / "engine").rglob("*.py")):
-        for module in imported_modules(path, "sn_trainer.engine"):
+        for module in imported_modules(path, package_of(path)):
             if module.split(".")[:2] in (["sn_trainer", "checkpoint"], ["sn_trainer", "report"]):
                 offenders.append(f"{path.name} imports {module}")
     assert offenders == []
