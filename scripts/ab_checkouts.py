@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from sn_trainer.engine.machine import describe_machine  # noqa: E402
+from sn_trainer.engine.node.machine import describe_machine  # noqa: E402
 from sn_trainer.report.results import write_result  # noqa: E402
 
 CASES = [("lenet", 128, (1, 28, 28)), ("lenet", 256, (1, 28, 28)), ("cifar10_quick", 100, (3, 32, 32)),

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 

@@ -41,13 +41,13 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
-from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps, default_runtime
-from sn_trainer.engine.topology import plan_pinning, read_topology
+from sn_trainer.engine.node.runtime import Runtime, available_allocators, available_openmps, default_runtime
+from sn_trainer.engine.node.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
-from sn_trainer.engine.machine import bf16_supported, describe_machine
-from sn_trainer.engine.memory import pss_bytes
+from sn_trainer.engine.memory.peak import pss_bytes
+from sn_trainer.engine.node.machine import bf16_supported, describe_machine
 from sn_trainer.report.results import write_result
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),

@@ -343,10 +343,10 @@ def main() -> None:
     parser.add_argument("--trigger", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        from sn_trainer.engine.forkserver import leave
+        from sn_trainer.engine.processes.forkserver import leave
 
         leave(job(args.job, args.trigger))
-    from sn_trainer.engine.machine import describe_machine
+    from sn_trainer.engine.node.machine import describe_machine
     from sn_trainer.report.results import write_result
 
     kinds = args.kinds.split(",")

@@ -29,9 +29,9 @@ import torch
 from sn_trainer import Trainer
 from sn_trainer.cli.config import DatasetConfig
 from sn_trainer.cli.datasets import load_datasets
-from sn_trainer.engine.stages import STEP_STAGES
+from sn_trainer.engine.processes.stages import STEP_STAGES
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 SETS = {"32x32": (32, 20_000, 200, 40), "224x224": (224, 2_000, 32, 12)}  # size, images, batch, measured steps

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import SmallConvNet, cross_entropy, plain_fit, tiny_dataset  # noqa: E402
 
 from sn_trainer import Trainer  # noqa: E402
-from sn_trainer.engine.machine import describe_machine  # noqa: E402
+from sn_trainer.engine.node.machine import describe_machine  # noqa: E402
 from sn_trainer.report.results import write_result  # noqa: E402
 
 OPTIMIZERS = {

@@ -15,7 +15,7 @@ import time
 import torch
 
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 CASES = [("lenet", (1, 28, 28), 32), ("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 50),

@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fit:
         return lightning_fit(args.fit, Path(args.result))
-    from sn_trainer.engine.machine import describe_machine
+    from sn_trainer.engine.node.machine import describe_machine
     from sn_trainer.report.results import write_result
 
     samples: dict[str, list[float]] = {backend: [] for backend in BACKENDS}

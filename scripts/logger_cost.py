@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 JOB = ["epochs=1", "workers=2", "log_every=10"]

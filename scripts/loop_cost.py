@@ -26,7 +26,7 @@ from dcgan import DCGAN, LATENT, d_params, d_step, g_params, g_step  # noqa: E40
 
 from sn_trainer import Phase, Trainer  # noqa: E402
 from sn_trainer.models import build_model  # noqa: E402
-from sn_trainer.engine.machine import describe_machine  # noqa: E402
+from sn_trainer.engine.node.machine import describe_machine  # noqa: E402
 from sn_trainer.report.results import write_result  # noqa: E402
 
 ADAM = functools.partial(torch.optim.Adam, lr=2e-4, betas=(0.5, 0.999))

@@ -1,7 +1,7 @@
 """What verifying a loss's split while training costs: the check against a training step, in one process.
 
 Each worker checks, on its first micro-batch of steps 1, 2, 4, 8, ..., that a scalar loss splits
-as the probe found (``sn_trainer.engine.split_check``): three forward passes without gradient.
+as the probe found (``sn_trainer.engine.step.split_check``): three forward passes without gradient.
 This times that check against the step it rides on (forward, backward and SGD's update of the
 same micro-batch, in the same thread count), alternating the two, and gives the cost per checked
 step and spread over runs of 1,000 and 10,000 steps (11 and 14 checks).
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sn_trainer.engine import split_check
-from sn_trainer.engine.machine import describe_machine
-from sn_trainer.engine.objective import MEAN, Objective
+from sn_trainer.engine.node.machine import describe_machine
+from sn_trainer.engine.step import split_check
+from sn_trainer.engine.step.objective import MEAN, Objective
 from sn_trainer.models import build_model
 from sn_trainer.report.results import write_result
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 # Later fits: a new Trainer each, worker counts in this order.

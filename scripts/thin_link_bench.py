@@ -256,7 +256,7 @@ def main() -> None:
     if args.as_node:
         return node_main(args)
     sys.path.insert(0, str(ROOT))
-    from sn_trainer.engine.machine import describe_machine, machine_slug
+    from sn_trainer.engine.node.machine import describe_machine, machine_slug
     from sn_trainer.report.results import write_result
 
     warmup, steps = (3, 4) if args.quick else (args.warmup, args.steps)

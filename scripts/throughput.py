@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 

@@ -21,10 +21,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer, tune
-from sn_trainer.engine.runtime import available_allocators, available_openmps
-from sn_trainer.engine.topology import read_topology
+from sn_trainer.engine.node.runtime import available_allocators, available_openmps
+from sn_trainer.engine.node.topology import read_topology
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.report.results import write_result
 
 CASES = [("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 200)]

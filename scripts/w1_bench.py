@@ -32,7 +32,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequen
 from torch.utils.data import Dataset, RandomSampler, TensorDataset
 
 from sn_trainer import Trainer
-from sn_trainer.engine.machine import describe_machine
+from sn_trainer.engine.node.machine import describe_machine
 from sn_trainer.models import build_model
 from sn_trainer.report.results import write_result
 

@@ -10,7 +10,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .cli.config import RunConfig, help_text
-from .engine import forkserver
+from .engine.processes import forkserver
 from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 
 

@@ -22,11 +22,11 @@ from torch.utils.data import Dataset
 from . import tuner
 from .callbacks import Callback, Callbacks, History, NotebookBar, OnLog, in_notebook
 from .config import TrainerConfig, setting_rows, settings_text
-from .engine.cluster import Cluster
-from .engine.launch import starts_warm, warm_up
-from .engine.runtime import Runtime, available_allocators, available_openmps
-from .engine.signals import StopFlags
-from .engine.topology import read_topology
+from .engine.node.cluster import Cluster
+from .engine.node.runtime import Runtime, available_allocators, available_openmps
+from .engine.node.topology import read_topology
+from .engine.processes.launch import starts_warm, warm_up
+from .engine.processes.signals import StopFlags
 from .errors import ConfigError
 from .fit import decide, lightning
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps

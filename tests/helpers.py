@@ -155,7 +155,7 @@ def in_a_worker() -> bool:
     """Whether the calling code runs inside a worker's training step or evaluation (not the
     rehearsal before the run, which may run in the test's own process, calling the model as often
     as it needs): the faults below count only these calls."""
-    from sn_trainer.engine import position
+    from sn_trainer.engine.step import position
 
     return position._current.get() is not None
 
@@ -233,7 +233,7 @@ def live_children() -> list[psutil.Process]:
 
 def probe_replica(spec, send):
     """A worker target that inspects its replica instead of training (see test_shared_memory)."""
-    from sn_trainer.engine.replica import Replica
+    from sn_trainer.engine.step.replica import Replica
 
     replica = Replica(spec)
     params = list(replica.model.parameters())

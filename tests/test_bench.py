@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
 
-from sn_trainer.engine.topology import read_topology  # noqa: E402
+from sn_trainer.engine.node.topology import read_topology  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +42,7 @@ def test_the_best_launch_table_picks_each_variants_fastest_launch():
 
 
 def test_runtime_launches_are_named_and_run():
-    from sn_trainer.engine.runtime import Runtime
+    from sn_trainer.engine.node.runtime import Runtime
 
     assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime("system", "gnu")
     assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc", "gnu")

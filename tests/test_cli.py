@@ -23,7 +23,8 @@ def sn_train(args, cwd, env=None, timeout=240):
 
 def test_run_writes_summary_metrics_and_log(tmp_path):
     out = tmp_path / "run"
-    proc = sn_train([*TINY, "workers=2", "batch_size=32", "max_steps=6", f"hydra.run.dir={out}"], cwd=tmp_path)
+    proc = sn_train([*TINY, "workers=2", "batch_size=32", "max_steps=6", "dataset.data_seed=1", f"hydra.run.dir={out}"],
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "test accuracy" in proc.stdout and "samples/s" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -35,6 +36,7 @@ def test_run_writes_summary_metrics_and_log(tmp_path):
     assert summary["peak_memory_bytes"] > 0
     assert set(summary["stage_seconds"]) == {"data", "forward", "backward", "reduce", "update", "wait"}
     assert summary["machine"]["physical_cores"] >= 1 and summary["config"]["batch_size"] == 32
+    assert summary["config"]["dataset"]["data_seed"] == 1 and summary["config"]["seed"] == 0  # one name each
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows if r["loss"]] == [2, 4, 6]
     assert summary["weights"] == ["model.safetensors"] and (out / "model.safetensors").stat().st_size > 0
@@ -68,6 +70,7 @@ def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     ([*TINY, "--multirun", "optim.momentm=0.5,0.9"], "error: unknown setting optim.momentm; did you mean optim.mom"),
     ([*TINY, "optim.momentum=abc"], "error: optim.momentum must be a number, got 'abc'"),
     ([*TINY, "dataset.num_classes=abc"], "error: dataset.num_classes must be an integer, got 'abc'"),
+    ([*TINY, "dataset.seed=3"], "error: dataset.seed is now called dataset.data_seed (it seeds the synthetic data, "),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     proc = sn_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

@@ -41,10 +41,24 @@ from sn_trainer.cli.config import OptimConfig
     ({"model": {"name": "lenet", "hidden": [10]}}, "model.hidden applies to model=mlp only"),
     ({"dataset": {"test_fraction": 1.5}}, r"dataset.test_fraction must be in \(0, 1\)"),
     ({"channels_last": "yes"}, "channels_last must be true, false or auto, got 'yes'"),
+    ({"dataset": {"seed": 3}}, r"^dataset.seed is now called dataset.data_seed \(it seeds the synthetic data, the folder "
+                               r"split and a folder's augmentation; `seed` is the run's own, .*\)$"),
 ])
 def test_config_errors(raw, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_dict(raw)
+
+
+def test_the_old_name_of_data_seed_is_refused_with_the_new_one():
+    """dataset.seed was data_seed's name: passed to the dataset's config, it is one ConfigError naming
+    data_seed, not a TypeError and not ignored; the run's own seed keeps its name."""
+    from sn_trainer.cli.config import DatasetConfig
+
+    for old in (0, 3):
+        with pytest.raises(ConfigError, match="^dataset.seed is now called dataset.data_seed "):
+            DatasetConfig(seed=old)
+    built = RunConfig.from_dict({"seed": 5, "dataset": {"data_seed": 3}})
+    assert (built.trainer.seed, built.dataset.data_seed) == (5, 3)
 
 
 def test_defaults_build():

@@ -179,6 +179,14 @@ def test_synthetic_shape_and_size():
     assert int(data.train.labels.max()) < 4
 
 
+def test_synthetic_data_follows_data_seed():
+    def images(data_seed: int) -> torch.Tensor:
+        config = DatasetConfig(name="synthetic", shape=[1, 4, 4], train_size=6, test_size=2, data_seed=data_seed)
+        return load_datasets(config).train.images
+
+    assert torch.equal(images(1), images(1)) and not torch.equal(images(0), images(1))
+
+
 def test_unknown_dataset_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="choose one of fashion_mnist, mnist, cifar10, synthetic, folder"):
         load_datasets(DatasetConfig(name="imagenet"))

@@ -44,7 +44,7 @@ def test_a_sigkilled_worker_stops_fit_naming_the_signal(tmp_path, no_leaks):
 @pytest.mark.timeout(60)
 def test_a_worker_stopped_halfway_through_a_message_is_still_watched(no_leaks):
     from helpers import stops_halfway_through_a_message
-    from sn_trainer.engine.launch import Heartbeats, Watchdog, launch
+    from sn_trainer.engine.processes.launch import Heartbeats, Watchdog, launch
 
     started = time.monotonic()
     with pytest.raises(WorkerFailed, match="worker 0 failed: made no progress for"):

@@ -21,8 +21,8 @@ from helpers import openmp_registrations
 from test_topology import make_sys
 
 import sn_trainer
-from sn_trainer.engine.runtime import Runtime
-from sn_trainer.engine.topology import read_topology
+from sn_trainer.engine.node.runtime import Runtime
+from sn_trainer.engine.node.topology import read_topology
 from sn_trainer.errors import ConfigError
 from sn_trainer.launch.cpu_backend import on_sn
 from sn_trainer.launch.plan import resolve

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from helpers import assert_exact, cross_entropy, plain_fit as plain_loop, plain_indices, worker_slices
 from sn_trainer import ConfigError, Trainer
-from sn_trainer.engine.objective import Objective
+from sn_trainer.engine.step.objective import Objective
 from sn_trainer.fit import loss_probe
 
 pytestmark = pytest.mark.timeout(240)
@@ -227,8 +227,8 @@ def test_a_load_balancing_loss_that_looked_like_a_mean_is_stopped_at_its_first_s
 def test_the_check_sees_a_mean_split_and_halves_a_nested_batch():
     """The check itself, in one process: a per-sample mean over a dict batch passes, a coupled loss
     over the same batch does not (what it cuts: every tensor of the batch's length, along dimension 0)."""
-    from sn_trainer.engine import split_check
-    from sn_trainer.engine.objective import MEAN
+    from sn_trainer.engine.step import split_check
+    from sn_trainer.engine.step.objective import MEAN
     from sn_trainer.errors import LossDoesNotSplit
 
     model = nn.Linear(4, 2).double()

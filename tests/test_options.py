@@ -73,6 +73,16 @@ def test_help_explains_every_key_with_its_default(tmp_path):
         assert " ".join(help_text.replace("`", "").split()) in shown, key  # the whole text, however wrapped
 
 
+def test_one_name_per_setting():
+    """No two settings share a name across groups (as the run's seed and the dataset's once did), but
+    each group's ``name``: which model, dataset or optimizer (``model=lenet`` sets ``model.name``)."""
+    names = {}
+    for key, _, _ in option_rows():
+        names.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+    shared = {name: keys for name, keys in names.items() if len(keys) > 1}
+    assert shared == {"name": ["model.name", "dataset.name", "optim.name"]}
+
+
 @pytest.mark.parametrize("key", ["measure_after", "profile_dir"])
 def test_api_only_settings_are_refused_on_the_command_line(key):
     from sn_trainer import ConfigError

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from sn_trainer.engine.comm import GlooReducer, ReducerSetup
-from sn_trainer.engine.layout import FlatLayout
+from sn_trainer.engine.collectives.comm import GlooReducer, ReducerSetup
+from sn_trainer.engine.memory.layout import FlatLayout
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,8 @@ from sn_trainer import Callback, Trainer
 from sn_trainer.callbacks import Callbacks
 from sn_trainer.data import source as sources
 from sn_trainer.data.sampler import GlobalBatches, slice_bounds, steps_per_epoch
-from sn_trainer.engine import comm
-from sn_trainer.engine.comm import GlooReducer
+from sn_trainer.engine.collectives import comm
+from sn_trainer.engine.collectives.comm import GlooReducer
 
 pytestmark = pytest.mark.timeout(120)
 

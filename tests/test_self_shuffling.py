@@ -16,7 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 from helpers import SmallConvNet, assert_exact, tiny_dataset
 from sn_trainer import DataError, Trainer
 from sn_trainer.data.digest import ItemDigest
-from sn_trainer.engine.board import Board
+from sn_trainer.engine.step.board import Board
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,11 +8,11 @@ import torch
 from helpers import SmallConvNet, probe_replica, tiny_dataset
 from sn_trainer import Trainer
 from sn_trainer.data.source import IndexSource
-from sn_trainer.engine.layout import FlatLayout
-from sn_trainer.engine.objective import Objective
-from sn_trainer.engine.phases import PhaseSpec
+from sn_trainer.engine.memory.layout import FlatLayout
+from sn_trainer.engine.memory.shared import SharedParams, resident_pages_by_node
 from sn_trainer.engine.plan import Plan
-from sn_trainer.engine.shared import SharedParams, resident_pages_by_node
+from sn_trainer.engine.step.objective import Objective
+from sn_trainer.engine.step.phases import PhaseSpec
 from sn_trainer.fit.preflight import Findings
 from sn_trainer.fit.resolve import Run
 from sn_trainer.fit.session import launch_workers
@@ -86,8 +86,8 @@ def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_b
 
 
 def _reducer(shared, rank: int, numel: int):
-    from sn_trainer.engine.comm import ReducerSetup, ShmReducer
-    from sn_trainer.engine.layout import Shard
+    from sn_trainer.engine.collectives.comm import ReducerSetup, ShmReducer
+    from sn_trainer.engine.memory.layout import Shard
 
     half = numel // 2
     return ShmReducer(ReducerSetup(rank=rank, world_size=2, shard=Shard(rank * half, (rank + 1) * half, half),
@@ -108,7 +108,7 @@ def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
     node, from /proc/self/numa_maps."""
     import multiprocessing
 
-    from sn_trainer.engine.comm import ShmShared
+    from sn_trainer.engine.collectives.comm import ShmShared
 
     numel = 1 << 20  # 4 MiB of float32 a row: 1024 pages
     shared = ShmShared.allocate(2, numel, torch.float32)

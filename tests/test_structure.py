@@ -1,7 +1,11 @@
-"""The house's arrows point one way, and every setting is declared once.
+"""The house's arrows point one way, its folders stay small enough to enter, and every setting is
+declared once.
 
 Layers, lowest first; a module imports its own layer and lower ones only, and no import chain
-runs in a circle (lazy imports inside functions and TYPE_CHECKING ones count):
+runs in a circle (lazy imports inside functions and TYPE_CHECKING ones count). Inside the engine
+the same holds between its rooms (ENGINE_ROOMS). No package folder holds more than a dozen
+modules (MAX_MODULES): the engine's old flat layout, 30 modules side by side, fails both checks
+(test_the_old_flat_engine_fails_the_room_checks).
 """
 import ast
 from pathlib import Path
@@ -29,6 +33,24 @@ LAYERS = {
     "cli": 7, "__main__": 7, "__init__": 7,  # the command lines, sn_trainer's own __main__, the lazy names
     "launch": 7,  # a pinning torchrun: an edge like the command line
 }
+
+# The engine's rooms, lowest first: a module of the engine imports its own room and lower ones only,
+# so no import runs in a circle between rooms. Its interface is three modules at its top (plan,
+# worker, events); the rest lives in sub-packages.
+ENGINE_ROOMS = {
+    "events": 0,  # what workers tell the launcher: typed events, plain data
+    "node": 1,  # what this node is: CPU, cores, runtimes, its place among nodes
+    "plan": 2,  # the resolved plan the workers read
+    "memory": 3,  # the flat layout, shared parameters, optimizer state by shard, peak memory
+    "collectives": 4,  # reducers, compression, tensors and metric states exchanged through sums
+    "processes": 5,  # the fork server, launch and teardown, signals, stages
+    "step": 6,  # one step and evaluation in a worker: replica, objective, phases, gather, ...
+    "worker": 7,  # one worker process's life
+}
+
+# A folder is a room a reader can enter (STYLE.md, habit 14): past a dozen modules, its parts
+# deserve sub-packages of their own.
+MAX_MODULES = 12
 
 # `python -m` names kept inside a lower package for a command line that lives in cli/: such a
 # __main__.py imports that one module and nothing else of ours, so it sits at the top with it.
@@ -168,7 +190,7 @@ def test_no_import_runs_in_a_circle():
 
 @pytest.mark.parametrize("where, forbidden", [
     ("report", ("sn_trainer.trainer", "sn_trainer.fit", "sn_trainer.tuner", "sn_trainer.cli")),  # predict_table
-    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/machine.py)
+    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/node/machine.py)
     ("data", ("sn_trainer.cli",)),  # the command line's dataset catalogue is the command line's
 ])
 def test_the_three_imports_that_ran_back_up_stay_gone(where, forbidden):
@@ -189,10 +211,86 @@ def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
 def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
     offenders = []
     for path in sorted((PACKAGE / "engine").rglob("*.py")):
-        for module in imported_modules(path, "sn_trainer.engine"):
+        for module in imported_modules(path, package_of(path)):
             if module.split(".")[:2] in (["sn_trainer", "checkpoint"], ["sn_trainer", "report"]):
                 offenders.append(f"{path.name} imports {module}")
     assert offenders == []
+
+
+# --- the engine's rooms, and folders a reader can enter ----------------------------------------
+
+def engine_room(module: str) -> str | None:
+    """The room of one of the engine's modules: its sub-package, or the module itself at the top
+    (None: not inside the engine, or the engine package itself)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["sn_trainer", "engine"] and len(parts) > 2 else None
+
+
+def engine_modules_without_a_room(package: Path = PACKAGE) -> list[str]:
+    return sorted(name for name in own_imports(package)
+                  if engine_room(name) is not None and engine_room(name) not in ENGINE_ROOMS)
+
+
+def engine_imports_back_up(package: Path = PACKAGE) -> list[str]:
+    """Every import by an engine module of a module in a higher room."""
+    offenders = []
+    for name, targets in own_imports(package).items():
+        if engine_room(name) not in ENGINE_ROOMS:
+            continue
+        offenders += [f"{name} imports {target}" for target in sorted(targets)
+                      if engine_room(target) in ENGINE_ROOMS
+                      and ENGINE_ROOMS[engine_room(target)] > ENGINE_ROOMS[engine_room(name)]]
+    return sorted(offenders)
+
+
+def crowded_folders(package: Path = PACKAGE) -> list[str]:
+    """Every package folder holding more than MAX_MODULES modules (``__init__.py`` counted)."""
+    found = []
+    for init in sorted(package.rglob("__init__.py")):
+        count = len(list(init.parent.glob("*.py")))
+        if count > MAX_MODULES:
+            found.append(f"{init.parent.relative_to(package.parent).as_posix()} holds {count} modules")
+    return found
+
+
+def test_every_engine_module_has_a_room():
+    assert engine_modules_without_a_room() == []
+
+
+def test_no_engine_module_imports_a_higher_room():
+    assert engine_imports_back_up() == []
+
+
+def test_no_package_folder_holds_more_than_a_dozen_modules():
+    assert crowded_folders() == []
+
+
+def test_an_engine_import_up_a_room_is_found(tmp_path):
+    """The room check is not vacuous: the memory room reaching up into the step is reported."""
+    package = tmp_path / "sn_trainer"
+    for path, text in {"__init__.py": "", "engine/__init__.py": "", "engine/memory/__init__.py": "",
+                       "engine/memory/layout.py": "def f():\n    from ..step.replica import Replica\n",
+                       "engine/step/__init__.py": "", "engine/step/replica.py": "from ..memory import layout\n",
+                       "engine/plan.py": "from .step import replica\n"}.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    assert engine_imports_back_up(package) == ["sn_trainer.engine.memory.layout imports sn_trainer.engine.step.replica",
+                                               "sn_trainer.engine.plan imports sn_trainer.engine.step.replica"]
+
+
+def test_the_old_flat_engine_fails_the_room_checks(tmp_path):
+    """The engine as it was, 30 modules side by side: a folder too crowded to enter, and modules
+    in no room."""
+    old = ("_forkserver_preload ambient batchnorm board by_sums cluster comm compression events forkserver gather "
+           "launch layout machine memory metric_states objective phases plan position replica runtime schedule "
+           "shared signals split_check stages state topology worker").split()
+    package = tmp_path / "sn_trainer"
+    (package / "engine").mkdir(parents=True)
+    for name in ["__init__", *(f"engine/{m}" for m in ["__init__", *old])]:
+        (package / f"{name}.py").write_text("")
+    assert crowded_folders(package) == ["sn_trainer/engine holds 31 modules"]
+    assert engine_modules_without_a_room(package) == sorted(
+        f"sn_trainer.engine.{m}" for m in old if m not in ENGINE_ROOMS)
 
 
 # --- every setting declared once -------------------------------------------------------------

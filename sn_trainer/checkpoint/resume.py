@@ -10,10 +10,10 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..config import TrainerConfig
-from ..engine import state
-from ..engine.cluster import Cluster
-from ..engine.layout import FlatLayout
-from ..engine.phases import PhaseSpec
+from ..engine.memory import state
+from ..engine.memory.layout import FlatLayout
+from ..engine.node.cluster import Cluster
+from ..engine.step.phases import PhaseSpec
 from ..errors import CheckpointError, ConfigError
 from . import files
 

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks import Callback, Callbacks
-from ..engine import state
 from ..engine.events import CheckpointPart
-from ..engine.launch import unpack
-from ..engine.layout import FlatLayout
-from ..engine.phases import PhaseSpec
+from ..engine.memory import state
+from ..engine.memory.layout import FlatLayout
+from ..engine.processes.launch import unpack
+from ..engine.step.phases import PhaseSpec
 from ..errors import TrainingDiverged
 from . import files
 

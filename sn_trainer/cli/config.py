@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 from ..config import TrainerConfig, default_of, is_int, is_part, one_of, option, positive_int, require, setting_rows
@@ -18,6 +18,11 @@ from ..errors import ConfigError
 SCHEDULES = ("constant", "cosine", "step")
 AUGMENTATIONS = ("crop_flip", "resized_crop")  # beside true (crop_flip), false and null (the dataset's default)
 LOGGERS = ("none", "tensorboard", "mlflow")
+
+# Keys that were renamed: the old key, its new name, and why (a line for whoever still writes the old one).
+RENAMED = {"dataset.seed": ("dataset.data_seed", "it seeds the synthetic data, the folder split and a folder's "
+                                                 "augmentation; `seed` is the run's own, the sample order and the "
+                                                 "workers' random state")}
 
 __all__ = ["RunConfig", "ModelConfig", "DatasetConfig", "OptimConfig", "BenchConfig", "option_rows"]
 
@@ -69,9 +74,13 @@ class DatasetConfig:
                                   "decodes and augments its samples from the files as it trains)")
     test_fraction: float = option(0.1, "folder without train/ and test/, and text: the share held out for testing "
                                        "(text: its tail)")
-    seed: int = option(0, "synthetic data and the folder split")
+    data_seed: int = option(0, "synthetic data, the folder split and a folder's augmentation (per sample); not the "
+                               "sample order or the workers' random state, which `seed` decides")
+    seed: InitVar[int | None] = None  # data_seed's old name: refused with the new one, never silently ignored
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, seed: int | None) -> None:
+        if seed is not None:
+            raise renamed("dataset.seed")
         positive_int(self.train_size, "dataset.train_size")
         positive_int(self.test_size, "dataset.test_size")
         positive_int(self.image_size, "dataset.image_size")
@@ -192,9 +201,18 @@ def _groups() -> dict[str, type]:
     return {**RunConfig.SECTIONS, **{f.name: f.default_factory for f in fields(TrainerConfig) if is_part(f)}}
 
 
+def renamed(key: str) -> ConfigError:
+    """The error for a key that was renamed (``dataset.seed``): its new name, and why."""
+    new, why = RENAMED[key]
+    return ConfigError(f"{key} is now called {new} ({why})")
+
+
 def unknown_setting(key: str) -> ConfigError:
     """The error for a command-line key no setting has (``batchsize``, ``optim.momentm``): the
-    nearest real key, else every valid one (of the key's group, for a key in a group)."""
+    new name of a renamed one, else the nearest real key, else every valid one (of the key's
+    group, for a key in a group)."""
+    if key in RENAMED:
+        return renamed(key)
     group, _, name = key.rpartition(".")
     if group in _groups():  # the group is right: the nearest of its own keys
         nearest = [f"{group}.{n}" for n in difflib.get_close_matches(name, [f.name for f in fields(_groups()[group])],

@@ -141,7 +141,7 @@ def _load_synthetic(cfg: DatasetConfig):
     if len(shape) != 3 or min(shape) < 1 or classes < 2:
         raise ConfigError(f"synthetic data needs dataset.shape=[C,H,W] and dataset.num_classes>=2, "
                           f"got {list(shape)} and {classes}")
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.data_seed)
 
     def make(n: int):
         return (torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=generator),
@@ -165,7 +165,7 @@ def _folder_split(cfg: DatasetConfig) -> tuple[tuple[list[str], list[int]], tupl
         test_files, test_labels, _ = scan(root / "test", classes)
         return (train_files, train_labels), (test_files, test_labels), classes
     files, labels, classes = scan(root)
-    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(cfg.data_seed)).tolist()
     n_test = max(1, int(len(files) * cfg.test_fraction))
     test, train = order[:n_test], order[n_test:]
     return ([files[i] for i in train], [labels[i] for i in train]), \
@@ -178,7 +178,7 @@ def _folder_files(cfg: DatasetConfig) -> Splits:
     size = cfg.image_size
     mean, std = statistics(train_files, size)
     train = ImageFiles(train_files, train_labels, size, mean, std, len(classes), augment=cfg.augment or False,
-                       seed=cfg.seed, crop_size=cfg.crop_size)
+                       seed=cfg.data_seed, crop_size=cfg.crop_size)
     # Testing takes no random draw: with resized_crop, the center crop_size of each image, as torchvision's reference.
     test = ImageFiles(test_files, test_labels, size, mean, std, len(classes), crop_size=cfg.crop_size)
     return Splits(train, test, train.sample_shape, len(classes), f"{_folder_root(cfg)} (read per sample)")

@@ -13,9 +13,9 @@ from typing import Any
 import psutil
 import torch
 
-from ..engine.cluster import Cluster
-from ..engine.machine import describe_machine
-from ..engine.topology import oversubscription
+from ..engine.node.cluster import Cluster
+from ..engine.node.machine import describe_machine
+from ..engine.node.topology import oversubscription
 from ..errors import ConfigError
 from ..report.metrics import ProgressLog
 from ..config import TrainerConfig

@@ -75,8 +75,9 @@ def _folder(dataset: dict):
     if not root.is_dir():
         raise InputError(f"dataset.root={dataset.get('root')!r} is not a folder on this machine")
     files, labels, classes = scan(root / "train" if (root / "train").is_dir() else root)
+    seed = dataset.get("data_seed", dataset.get("seed"))  # a run folder written before the rename says seed
     images = ImageFiles(files, labels, int(dataset.get("image_size") or 32), [0.5] * 3, [0.25] * 3, len(classes),
-                        augment=dataset.get("augment") or False, seed=int(dataset.get("seed") or 0),
+                        augment=dataset.get("augment") or False, seed=int(seed or 0),
                         crop_size=dataset.get("crop_size"))
 
     def decode(items: int) -> float:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import TrainerConfig
-from .runtime import Runtime
+from .node.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Plan:
     steps_per_epoch: int
     total_steps: int
     start_step: int  # > 0 when resuming
-    loss_form: str  # how the first phase's scalar loss splits over samples (engine.objective's forms)
+    loss_form: str  # how the first phase's scalar loss splits over samples (engine.step.objective's forms)
     phase_forms: tuple[tuple[str, str], ...]  # with several phases: each one's name and loss form
     evaluates: bool  # after each epoch (or every eval_every steps) and after the last step
     metrics: tuple[str, ...]  # what an evaluation reports, by name (eval_samples, eval_loss, ...), sorted

@@ -11,9 +11,9 @@ import torch
 
 from ..data import random_state
 from .events import CheckpointPart, Evaluation, Progress, WorkerResult
-from .memory import pss_bytes
-from .replica import Replica, WorkerSpec
-from .stages import STEP_STAGES, StageTimer
+from .memory.peak import pss_bytes
+from .processes.stages import STEP_STAGES, StageTimer
+from .step.replica import Replica, WorkerSpec
 
 
 def pin_and_set_threads(cpus: tuple[int, ...], threads: int) -> None:

@@ -12,13 +12,13 @@ from torch import nn
 
 from .. import tuner
 from ..config import TrainerConfig
-from ..engine.cluster import Cluster
-from ..engine.comm import choose_reducer
-from ..engine.launch import starts_warm
-from ..engine.machine import bf16_supported
+from ..engine.collectives.comm import choose_reducer
+from ..engine.node.cluster import Cluster
+from ..engine.node.machine import bf16_supported
+from ..engine.node.runtime import Runtime
+from ..engine.node.topology import Topology, auto_threads, auto_workers, plan_pinning
 from ..engine.plan import Placement
-from ..engine.runtime import Runtime
-from ..engine.topology import Topology, auto_threads, auto_workers, plan_pinning
+from ..engine.processes.launch import starts_warm
 from ..errors import ConfigError
 from ..optim import shard_kind
 

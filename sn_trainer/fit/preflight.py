@@ -22,13 +22,13 @@ from ..config import TrainerConfig
 from ..data import random_state
 from ..data.batching import COLLATE_NOTE, in_layout
 from ..data.source import Source
-from ..engine import metric_states
-from ..engine.gather import Gathering, gathering
-from ..engine.layout import trainable_parameters
-from ..engine.objective import MEAN, Objective, Precision
-from ..engine.phases import PhaseSpec
-from ..engine.schedule import Schedule
-from ..engine.state import group_params
+from ..engine.collectives import metric_states
+from ..engine.memory.layout import trainable_parameters
+from ..engine.memory.state import group_params
+from ..engine.step.gather import Gathering, gathering
+from ..engine.step.objective import MEAN, Objective, Precision
+from ..engine.step.phases import PhaseSpec
+from ..engine.step.schedule import Schedule
 from ..errors import ConfigError, InputError, UserCodeError
 from ..optim import refuse_unrunnable
 from . import loss_probe

@@ -22,14 +22,14 @@ from ..config import TrainerConfig
 from ..data import random_state
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, different_orders, make_source
-from ..engine import compression, metric_states
-from ..engine.cluster import Cluster
-from ..engine.launch import WorkerPickler, launch
-from ..engine.layout import FlatLayout, trainable_parameters
-from ..engine.objective import GATHERED, LIKE_DDP, MEAN, Objective
-from ..engine.phases import PhaseSpec
+from ..engine.collectives import compression, metric_states
+from ..engine.memory.layout import FlatLayout, trainable_parameters
+from ..engine.node.cluster import Cluster
+from ..engine.node.runtime import Runtime
 from ..engine.plan import Placement, Plan
-from ..engine.runtime import Runtime
+from ..engine.processes.launch import WorkerPickler, launch
+from ..engine.step.objective import GATHERED, LIKE_DDP, MEAN, Objective
+from ..engine.step.phases import PhaseSpec
 from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainerConfig
-from ..engine.comm import REDUCERS
+from ..engine.collectives.comm import REDUCERS
 from ..engine.events import WorkerResult
-from ..engine.layout import tied_aliases
-from ..engine.signals import StopFlags
-from ..engine.stages import STEP_STAGES
+from ..engine.memory.layout import tied_aliases
+from ..engine.processes.signals import StopFlags
+from ..engine.processes.stages import STEP_STAGES
 from ..errors import TrainingDiverged, TrainingInterrupted
 from .membership import as_records
 from .session import Outcome

@@ -19,18 +19,18 @@ import torch
 from ..callbacks import Callback, Callbacks
 from ..checkpoint.resume import Resumed, resume
 from ..checkpoint.writer import CheckpointWriter
-from ..engine.batchnorm import max_channels
-from ..engine.board import Board
-from ..engine.cluster import Cluster
-from ..engine.comm import REDUCERS, auto_candidates
+from ..engine.collectives.comm import REDUCERS, auto_candidates
 from ..engine.events import WorkerResult
-from ..engine.launch import Heartbeats, Watchdog, launch
-from ..engine.memory import PeakMemory
-from ..engine.objective import GATHERED
+from ..engine.memory.peak import PeakMemory
+from ..engine.memory.shared import SharedParams, buffer_count
+from ..engine.node.cluster import Cluster
 from ..engine.plan import Plan
-from ..engine.replica import Launch, WorkerSpec
-from ..engine.shared import SharedParams, buffer_count
-from ..engine.signals import StopFlags, graceful_stop
+from ..engine.processes.launch import Heartbeats, Watchdog, launch
+from ..engine.processes.signals import StopFlags, graceful_stop
+from ..engine.step.batchnorm import max_channels
+from ..engine.step.board import Board
+from ..engine.step.objective import GATHERED
+from ..engine.step.replica import Launch, WorkerSpec
 from ..engine.worker import run_worker
 from ..errors import TrainingInterrupted, WorkerFailed
 from . import membership

@@ -12,8 +12,8 @@ from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 from ..config import ALLOCATORS, OPENMPS
-from ..engine.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
-from ..engine.topology import read_topology
+from ..engine.node.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
+from ..engine.node.topology import read_topology
 from ..errors import ConfigError
 from . import child, cpu_backend
 from .plan import LaunchPlan, resolve

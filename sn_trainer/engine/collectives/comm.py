@@ -25,12 +25,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from ..shm.collectives import NATIVE_FLOATS, Collectives, combine
-from ..shm.group import SHM_SAFE, Group
-from ..shm.layout import PAGE, Layout
-from ..shm.memory import Segment
-from .layout import FlatLayout, Shard
+from ...errors import ConfigError
+from ...shm.collectives import NATIVE_FLOATS, Collectives, combine
+from ...shm.group import SHM_SAFE, Group
+from ...shm.layout import PAGE, Layout
+from ...shm.memory import Segment
+from ..memory.layout import FlatLayout, Shard
 
 
 @dataclass(frozen=True)
@@ -407,7 +407,7 @@ class CrossNodeReducer:
 
     Every node applies the same update to the same parameters, so the nodes' shared parameters
     stay identical without ever being sent. ``compressor`` (compress=powersgd) sends the shard
-    as low-rank factors instead (engine/compression.py): approximate.
+    as low-rank factors instead (compression.py): approximate.
     """
 
     def __init__(self, local: Reducer, store, node_rank: int, nodes: int, device, timeout_s: float = 300.0,

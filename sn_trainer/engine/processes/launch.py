@@ -34,9 +34,10 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import InputError, WorkerFailed
-from . import forkserver, metric_states
-from .runtime import Runtime, default_runtime, forget_openmp_registrations
+from ...errors import InputError, WorkerFailed
+from ..collectives import metric_states
+from ..node.runtime import Runtime, default_runtime, forget_openmp_registrations
+from . import forkserver
 from .signals import StopFlags, stop_on_signals
 from .stages import STAGES, WAITING
 

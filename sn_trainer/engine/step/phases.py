@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import FlatLayout
+from ..memory.layout import FlatLayout
+from ..memory.state import group_params, optimizer_pieces
+from ..plan import Plan
 from .objective import Objective
-from .plan import Plan
 from .schedule import Schedule
-from .state import group_params, optimizer_pieces
 
 
 @dataclass

@@ -14,26 +14,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import random_state
-from ..data.batching import in_layout
-from ..data.feed import Feed
-from ..data.source import Source, different_orders
-from ..errors import DataError
-from . import metric_states, position, split_check
+from ...data import random_state
+from ...data.batching import in_layout
+from ...data.feed import Feed
+from ...data.source import Source, different_orders
+from ...errors import DataError
+from ..collectives import metric_states
+from ..collectives.comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
+from ..collectives.compression import PowerSGD, shard_compression
+from ..memory.layout import FlatLayout, tied_aliases
+from ..memory.shared import ReplicaBuffers
+from ..node.cluster import Cluster
+from ..plan import Plan
+from ..processes.launch import Heartbeats, pack
+from ..processes.signals import StopFlags
+from ..processes.stages import StageTimer
+from . import position, split_check
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
-from .cluster import Cluster
-from .compression import PowerSGD, shard_compression
-from .comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
-from .launch import Heartbeats, pack
-from .layout import FlatLayout, tied_aliases
 from .gather import Gathering, Refusing, StepGathering, gathering
 from .objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
-from .plan import Plan
-from .shared import ReplicaBuffers
-from .signals import StopFlags
-from .stages import StageTimer
 
 
 @dataclass

@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..errors import LossDoesNotSplit
-from ..data import random_state
+from ...data import random_state
+from ...errors import LossDoesNotSplit
 from .objective import MEAN, SUM, Objective, Precision
 
 CHECKED = {MEAN: "a per-sample mean", SUM: "a sum over the samples"}  # the scalar forms the probe recognises

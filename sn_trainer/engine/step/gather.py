@@ -26,8 +26,9 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..errors import InputError
-from . import ambient, by_sums
+from ...errors import InputError
+from ..collectives import by_sums
+from . import ambient
 
 # Every worker computes the same loss from the same gathered bits; only kernels that round
 # differently at another memory alignment may move it, by far less than this.

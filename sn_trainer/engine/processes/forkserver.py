@@ -17,12 +17,12 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from .runtime import Runtime, default_runtime, forget_openmp_registrations
+from ..node.runtime import Runtime, default_runtime, forget_openmp_registrations
 
 # What the server imports before its first fork: this process's main module (as spawn would),
 # the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim
 # imports on an optimizer's first use.
-PRELOAD = ["__main__", "sn_trainer.engine._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
+PRELOAD = ["__main__", "sn_trainer.engine.processes._forkserver_preload", "sn_trainer.engine.worker", "torch._dynamo"]
 
 # The runtime (allocator, OpenMP) the server of this process was started with: it cannot change
 # afterwards.
