@@ -83,6 +83,15 @@ def test_one_name_per_setting():
     assert shared == {"name": ["model.name", "dataset.name", "optim.name"]}
 
 
+def test_each_group_option_lists_the_keys_it_reads():
+    """What an option's YAML leaves out is refused on the command line: what it reads, it lists."""
+    dataset = {path.stem: set(OmegaConf.load(path)) for path in (CONF / "dataset").glob("*.yaml")}
+    images = {"fashion_mnist", "mnist", "cifar10", "synthetic", "folder"}
+    assert all("augment" in dataset[name] for name in images)  # image_splits and ImageFiles augment any of them
+    assert {name for name, keys in dataset.items() if "data_seed" in keys} == {"synthetic", "folder"}
+    assert {name for name, keys in dataset.items() if "test_fraction" in keys} == {"folder", "text"}
+
+
 @pytest.mark.parametrize("key", ["measure_after", "profile_dir"])
 def test_api_only_settings_are_refused_on_the_command_line(key):
     from sn_trainer import ConfigError
