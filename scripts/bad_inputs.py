@@ -72,6 +72,7 @@ def main() -> None:
             ("a text dataset without a path", ["dataset=text", "model=gpt"]),
             ("a GPT on images", [*TINY, "model=gpt"]),
             ("an unknown setting", [*TINY, "batchsize=3"]),
+            ("a setting the chosen dataset does not read", ["dataset.data_seed=3"]),
             ("a number given as text", [*TINY, "optim.momentum=abc"]),
             ("an unknown config group option", [*TINY, "model=lenet5"]),
             ("workers x threads > cores (warning, runs)", [*TINY, "workers=2", "threads=4", "max_steps=1"]),

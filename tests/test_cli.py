@@ -71,6 +71,16 @@ def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     ([*TINY, "optim.momentum=abc"], "error: optim.momentum must be a number, got 'abc'"),
     ([*TINY, "dataset.num_classes=abc"], "error: dataset.num_classes must be an integer, got 'abc'"),
     ([*TINY, "dataset.seed=3"], "error: dataset.seed is now called dataset.data_seed (it seeds the synthetic data, "),
+    # A real key that the chosen option does not read: refused before Hydra, not left to its advice to add it with +.
+    (["dataset.data_seed=3", "max_steps=1"], "error: dataset.data_seed does not apply to dataset=fashion_mnist (its "
+                                             "settings: name, root, download, augment); dataset=folder and "
+                                             "dataset=synthetic have it: choose one of them, or leave it out"),
+    ([*TINY, "+dataset.root=/data"], "error: dataset.root does not apply to dataset=synthetic ("),  # once ran, unread
+    ([*TINY, "model.dropout=0.1"], "error: model.dropout does not apply to model=lenet (its settings: name); "
+                                   "model=gpt has it: choose it, or leave it out"),
+    ([*TINY, "--multirun", "optim=sgd,adamw", "optim.nesterov=true"], "error: optim.nesterov does not apply to "
+                                                                      "optim=adamw ("),
+    (["+experiment=gpt_text", "dataset.root=/data"], "error: dataset.root does not apply to dataset=text ("),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     proc = sn_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

@@ -83,6 +83,23 @@ def test_one_name_per_setting():
     assert shared == {"name": ["model.name", "dataset.name", "optim.name"]}
 
 
+@pytest.mark.parametrize("args", [
+    ["dataset.augment=true"],  # fashion_mnist reads it: its YAML lists it
+    ["dataset=synthetic", "dataset.data_seed=1"],
+    ["+experiment=gpt_text", "dataset.path=x"],  # the experiment chooses dataset=text
+    ["+experiment=singlecaffe_mnist", "dataset.data_seed=1"],
+    ["optim=adamw", "optim.betas=[0.9,0.95]"],
+    ["--multirun", "dataset=synthetic,folder", "dataset.data_seed=1,2"],
+])
+def test_a_group_key_the_chosen_option_reads_is_let_through(args):
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sn_trainer.__main__ import _refused_key
+
+    assert _refused_key(args) is None
+    assert not GlobalHydra.instance().is_initialized()  # left for the run's own Hydra
+
+
 def test_each_group_option_lists_the_keys_it_reads():
     """What an option's YAML leaves out is refused on the command line: what it reads, it lists."""
     dataset = {path.stem: set(OmegaConf.load(path)) for path in (CONF / "dataset").glob("*.yaml")}

@@ -230,6 +230,21 @@ def unknown_setting(key: str) -> ConfigError:
     return ConfigError(f"unknown setting {key}; valid ones: {', '.join(shown)}")
 
 
+def not_in_option(group: str, name: str, option: str, its_names: list[str], options_with_it: list[str]) -> ConfigError:
+    """The error for a group's key that the group's chosen option does not read
+    (``dataset.data_seed`` with ``dataset=fashion_mnist``): the option's own keys, and the options
+    that have it."""
+    having = [f"{group}={o}" for o in options_with_it]
+    if not having:
+        advice = f"no {group} option reads it: leave it out"
+    elif len(having) == 1:
+        advice = f"{having[0]} has it: choose it, or leave it out"
+    else:
+        advice = f"{', '.join(having[:-1])} and {having[-1]} have it: choose one of them, or leave it out"
+    return ConfigError(f"{group}.{name} does not apply to {group}={option} (its settings: {', '.join(its_names)}); "
+                       f"{advice}")
+
+
 def _build(kind: type, values: dict[str, Any], prefix: str | None):
     known = {f.name for f in fields(kind)}
     where = f"{prefix}." if prefix else ""
