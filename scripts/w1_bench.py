@@ -13,7 +13,8 @@ Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``,
 batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
 the warm-up, medians over rounds. ``--threads auto`` compares the two as a user first meets them:
 plain PyTorch with torch's default threads (every core) against ``Trainer(workers=1)`` with its
-default, ``threads=auto`` (every usable core to the one worker).
+default, ``threads=auto`` (every usable core to the one worker); ``--sn-threads 1`` beside it gives
+the Trainer the one thread that was its default before ``threads=auto``.
 
     python scripts/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] [--threads N|auto] --out results/<machine>/w1_bench
 """
@@ -149,12 +150,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=lambda v: v if v == "auto" else int(v), default=1)
+    parser.add_argument("--sn-threads", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="the Trainer's threads, when not --threads")
     parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.threads != "auto":
         torch.set_num_threads(args.threads)
     plain_threads = torch.get_num_threads()
+    sn_threads = args.threads if args.sn_threads is None else args.sn_threads
     load = os.getloadavg()[0]
     chosen = {k: v for k, v in cases().items() if k in args.cases.split(",")}
     rows: dict[str, dict[str, list[float]]] = {k: {"plain": [], "sn": []} for k in chosen}
@@ -162,14 +166,15 @@ def main() -> None:
         for label, (build, data, collate, step, batch) in chosen.items():
             rows[label]["plain"].append(plain(build, data, collate, step, batch, args.steps, args.warmup))
             rows[label]["sn"].append(trainer(build, data, collate, step, batch, args.steps, args.warmup,
-                                             args.threads))
+                                             sn_threads))
             print(f"round {round_index + 1} {label}: plain {rows[label]['plain'][-1]:.0f}, "
                   f"sn_trainer {rows[label]['sn'][-1]:.0f} samples/s", flush=True)
     machine = describe_machine()
     lines = ["# One worker against plain PyTorch", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
              f"`python scripts/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-             f"--threads {args.threads}`: {plain_threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
+             f"--threads {args.threads}{'' if args.sn_threads is None else f' --sn-threads {args.sn_threads}'}`: "
+             f"plain PyTorch {plain_threads} intra-op thread(s), sn_trainer threads={sn_threads}, SGD momentum 0.9, the same global "
              f"batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
              f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"
              + (" (other processes were running)." if load > 0.5 else "."), "",
@@ -179,7 +184,7 @@ def main() -> None:
         lines.append(f"| {label} | {p:.0f} [{min(row['plain']):.0f}-{max(row['plain']):.0f}] | {s:.0f} "
                      f"[{min(row['sn']):.0f}-{max(row['sn']):.0f}] | {s / p:.2f} |")
     write_result(args.out, {"machine": machine, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-                            "threads": args.threads, "rows": rows, "load_average": load}, "\n".join(lines))
+                            "threads": args.threads, "sn_threads": sn_threads, "rows": rows, "load_average": load}, "\n".join(lines))
 
 
 if __name__ == "__main__":
