@@ -1,4 +1,4 @@
-"""The same plain DDP training script (scripts/ddp_train.py), side by side in one run, against
+"""The same plain DDP training script (examples/ddp_train.py), side by side in one run, against
 sn_trainer's own Trainer on the same model and global batch:
 
 (a) torchrun + gloo        `python -m torch.distributed.run`: its defaults (OMP_NUM_THREADS=1, no pinning);
@@ -38,7 +38,7 @@ from sn_trainer.models import build_model
 from sn_trainer.report.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "scripts" / "ddp_train.py"
+TRAIN = ROOT / "examples" / "ddp_train.py"
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32)}
 VARIANTS = ("torchrun_gloo", "launch_gloo", "launch_sn", "launch_sn_unpinned", "trainer")
 LABELS = {"torchrun_gloo": "torchrun + gloo", "launch_gloo": "sn_trainer.launch + gloo",

@@ -2,7 +2,7 @@
 
 - EMA: LeNet b128 on synthetic 28x28 images, with ``ema_decay=0.999`` against without (each
   worker averages its own shard after every step).
-- Phases: scripts/examples/dcgan.py's DCGAN at b128 with ``sync_batchnorm``, its two phases (D,
+- Phases: examples/dcgan.py's DCGAN at b128 with ``sync_batchnorm``, its two phases (D,
   then G: two sums of the gradient and two updates a step) against one phase doing the same
   forward and backward work (both losses at once, one sum, one update).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from dcgan import DCGAN, LATENT, d_params, d_step, g_params, g_step  # noqa: E402
 
 from sn_trainer import Phase, Trainer  # noqa: E402

@@ -6,8 +6,8 @@ is carried from one chunk of a column to the next (detached, so gradients stop a
 reset to zeros at each epoch's start; the decoder shares the embedding's weights, gradients are
 clipped to 0.25. The last tenth of the text is held out.
 
-    python scripts/examples/word_lm.py                         # Debian's licence texts, 6 epochs
-    python scripts/examples/word_lm.py --text my.txt --epochs 5
+    python examples/word_lm.py                         # Debian's licence texts, 6 epochs
+    python examples/word_lm.py --text my.txt --epochs 5
 
 How the carried state splits over workers: a sample is one column's chunk, so with
 ``shuffle=False`` global batch k is chunk k of every column, and each worker's slice is the

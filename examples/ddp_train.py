@@ -2,8 +2,8 @@
 tutorial): the group from the launcher's environment, DDP(model), SGD on this rank's part of each
 global batch. scripts/ddp_bench.py runs it under torchrun and under sn_trainer.launch.
 
-    torchrun --nproc-per-node=2 scripts/ddp_train.py --model lenet --batch 64 --backend gloo
-    python -m sn_trainer.launch --nproc-per-node=2 scripts/ddp_train.py --model lenet --batch 64 --backend sn
+    torchrun --nproc-per-node=2 examples/ddp_train.py --model lenet --batch 64 --backend gloo
+    python -m sn_trainer.launch --nproc-per-node=2 examples/ddp_train.py --model lenet --batch 64 --backend sn
 
 Prints (rank 0) one JSON line: samples/s over the timed steps, the slowest rank's time.
 """

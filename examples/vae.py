@@ -6,7 +6,7 @@ all of it. The step function returns that sum with the number of samples it cove
 step trains on the global batch's per-sample loss, however the batch is split. The data comes
 from Debian's dataset-fashion-mnist (or ``--root``), as images in [0, 1].
 
-    python scripts/examples/vae.py [--epochs 3] [--workers auto]
+    python examples/vae.py [--epochs 3] [--workers auto]
 """
 from __future__ import annotations
 

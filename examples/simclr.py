@@ -7,7 +7,7 @@ batch, so the step gathers the embeddings of all workers' slices (``sn_trainer.g
 computes the loss over the global batch, as one process would. The encoder is then judged
 without labels in training: each test image takes the class of its nearest training image.
 
-    python scripts/examples/simclr.py [--epochs 2] [--workers auto]
+    python examples/simclr.py [--epochs 2] [--workers auto]
 """
 from __future__ import annotations
 

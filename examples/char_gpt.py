@@ -7,8 +7,8 @@ That method is handed to sn_trainer unchanged, as ``param_groups``. As nanoGPT d
 every ``--eval-every`` steps on a bounded number of held-out batches, and keeps a moving average of
 the weights (``--ema-decay``), evaluated beside them. At the end the trained model writes a sample.
 
-    python scripts/examples/char_gpt.py                      # Debian's licence texts, ~1.5 min on 2 cores
-    python scripts/examples/char_gpt.py --text my.txt --max-steps 2000
+    python examples/char_gpt.py                      # Debian's licence texts, ~1.5 min on 2 cores
+    python examples/char_gpt.py --text my.txt --max-steps 2000
 """
 from __future__ import annotations
 

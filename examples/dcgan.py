@@ -8,7 +8,7 @@ whole global batch, so the run trains what one process would. The latent noise c
 training image (drawn once, a vector per image), so both phases of a step see the same fakes.
 At the end, a grid of images generated from fixed noise is saved as a PNG.
 
-    python scripts/examples/dcgan.py [--epochs 3] [--workers auto] [--out results/dcgan.png]
+    python examples/dcgan.py [--epochs 3] [--workers auto] [--out results/dcgan.png]
 """
 from __future__ import annotations
 
