@@ -63,16 +63,3 @@ def test_memory_counts_a_whole_process_tree():
     me = psutil.Process()
     assert bench.tree_pss(me) >= bench.pss_bytes(me.pid) > 0
 
-
-def test_layout_script_times_a_step_in_both_layouts():
-    import layout  # scripts/ is on the path (above)
-
-    assert layout.step_ms("lenet", (1, 28, 28), 4, channels_last=False, reps=2) > 0
-    assert layout.step_ms("lenet", (1, 28, 28), 4, channels_last=True, reps=2) > 0
-
-
-@pytest.mark.parametrize("variant", ["lenet b128, ema_decay=0.999", "dcgan b128, two phases (D, then G)"])
-def test_the_loop_cost_variants_train_and_report_a_rate(variant, no_leaks):
-    import loop_cost  # scripts/ is on the path (above)
-
-    assert loop_cost.VARIANTS[variant](2, 2, 1) > 0
