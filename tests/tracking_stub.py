@@ -3,7 +3,7 @@
 and closes its socket, as a server that dies mid-run. For the tests and scripts/chaos.py, which
 have no MLflow server (MLflow's own needs Flask) and must not need the network.
 
-    python scripts/tracking_stub.py      # serves on a free port of 127.0.0.1, printed
+    python tests/tracking_stub.py        # serves on a free port of 127.0.0.1, printed
 """
 from __future__ import annotations
 
