@@ -1,6 +1,8 @@
 """Try every bad input docs/getting-started.md's "Bad input" table lists and print what a user sees (a Markdown table).
 
-    python scripts/bad_inputs.py > /tmp/table.md
+Kept beside the page whose table it writes: when a message changes, run it again and paste the table.
+
+    python docs/bad_inputs.py > /tmp/table.md
 """
 from __future__ import annotations
 
