@@ -1,6 +1,6 @@
 """A plain DDP training script, as people already have one (the shape of pytorch/examples' DDP
 tutorial): the group from the launcher's environment, DDP(model), SGD on this rank's part of each
-global batch. scripts/ddp_bench.py runs it under torchrun and under sn_trainer.launch.
+global batch. benchmarks/ddp_bench.py runs it under torchrun and under sn_trainer.launch.
 
     torchrun --nproc-per-node=2 examples/ddp_train.py --model lenet --batch 64 --backend gloo
     python -m sn_trainer.launch --nproc-per-node=2 examples/ddp_train.py --model lenet --batch 64 --backend sn

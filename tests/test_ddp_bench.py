@@ -1,9 +1,9 @@
-"""scripts/ddp_bench.py's own logic: the commands it launches and the table it writes (the
+"""benchmarks/ddp_bench.py's own logic: the commands it launches and the table it writes (the
 measurements themselves are the script's run, not a test's)."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ddp_bench  # noqa: E402
 
 

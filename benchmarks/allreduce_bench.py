@@ -1,7 +1,7 @@
 """All-reduce latency and bandwidth, the "sn" backend against gloo and against the memory's speed, side by
 side in one run.
 
-    python scripts/allreduce_bench.py [--procs 2] [--out results/<host>/allreduce.md]
+    python benchmarks/allreduce_bench.py [--procs 2] [--out results/<host>/allreduce.md]
 
 The same processes time all three: the default group is "sn", a second group over the same ranks is
 gloo, and each size is timed on one, then the other, then as a plain memory copy of the same bytes in
@@ -180,7 +180,7 @@ def report(rows, native: bool, procs: int, seconds: float, others: float, round_
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
              f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
              f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-             "with `python scripts/allreduce_bench.py" + (f" --procs {procs}" if procs != 2 else "") + "`", "",
+             "with `python benchmarks/allreduce_bench.py" + (f" --procs {procs}" if procs != 2 else "") + "`", "",
              "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up | copy (bound) "
              "| sn of bound | sn fastest | gloo fastest | copy fastest | speed-up, fastest |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,6 +1,6 @@
 """Starts of a tiny gloo DDP script under ``python -m sn_trainer.launch``, counted by how each ended.
 
-    python scripts/launch_starts.py [--starts 50] [--tree <checkout>] --out results/<host>/launch_starts.md
+    python benchmarks/launch_starts.py [--starts 50] [--tree <checkout>] --out results/<host>/launch_starts.md
 
 Each start is a fresh launcher with 2 ranks pinned to a core each, the script training one DDP step over
 gloo and ending. A rank that aborts in the interpreter's teardown (gloo's thread still releasing the
@@ -68,7 +68,7 @@ def main() -> None:
     text = (f"# {args.starts} starts of a gloo DDP script under sn_trainer.launch, checkout {commit}\n\n"
             f"- CPU: {cpu}; {len(os.sched_getaffinity(0))} cores usable; torch {torch.__version__}\n"
             f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC in {seconds:.0f} s with "
-            f"`python scripts/launch_starts.py --starts {args.starts}`\n\n| outcome | starts |\n|---|---:|\n"
+            f"`python benchmarks/launch_starts.py --starts {args.starts}`\n\n| outcome | starts |\n|---|---:|\n"
             + "".join(f"| {outcome} | {count} |\n" for outcome, count in outcomes.most_common()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as out:

@@ -4,15 +4,15 @@ Two network namespaces on this machine, joined by a veth pair whose both ends ar
 ``tc qdisc ... netem delay 1ms rate R`` (1 Gbit/s, then 100 Mbit/s; where the kernel has no
 netem, ``tbf rate R`` with no delay added, and the results say which), are the two nodes: one
 torchrun in each, meeting at a static rendezvous on one end's address, one worker per node.
-For LeNet, cifar10_quick and the GPT preset (scripts/bench.py's sizes) it measures the step time
+For LeNet, cifar10_quick and the GPT preset (benchmarks/bench.py's sizes) it measures the step time
 (after a warm-up that also holds the compress_after steps) and the bytes each end of the pair
 put on the wire per measured step (the interface's tx_bytes, read by each node's launcher when
 worker 0's progress records of the first and the last measured step arrive: a step of skew at
 most). Then LeNet on Fashion-MNIST for 3 epochs (or a subset, --train-samples), with and without
 compression: the test accuracy after it. Needs root (ip netns, tc).
 
-    python scripts/thin_link_bench.py                    # everything: results/<machine>/thin_link.md (--report)
-    python scripts/thin_link_bench.py --quick            # 100 Mbit/s only, fewer steps, no accuracy
+    python benchmarks/thin_link_bench.py                    # everything: results/<machine>/thin_link.md (--report)
+    python benchmarks/thin_link_bench.py --quick            # 100 Mbit/s only, fewer steps, no accuracy
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def _percent(row: dict) -> str:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = ["# Two nodes over a thin link (scripts/thin_link_bench.py)", "",
+    lines = ["# Two nodes over a thin link (benchmarks/thin_link_bench.py)", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, {m['memory_gib']} GiB, torch "
              f"{m['torch']}; both nodes on it, one worker each, in two network namespaces joined by a veth pair, "
              f"each end shaped with tc: {', '.join(sorted({r['link'] for r in report['speeds']}))}. \"others' CPU\" is node 0's other_cpu_percent: "

@@ -6,7 +6,7 @@ processes), training an MLP on synthetic data; samples/s over the steps after th
 on rank 0. Rounds alternate the backends; other processes' share of the CPU is reported, since a
 figure taken on a busy machine says less.
 
-    python scripts/lightning_bench.py [--rounds 3] [--out results/<machine>/lightning_bench]
+    python benchmarks/lightning_bench.py [--rounds 3] [--out results/<machine>/lightning_bench]
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def report(machine: dict, samples: dict[str, list[float]], others: list[float], 
     med = {backend: statistics.median(rates) for backend, rates in samples.items()}
     lines = ["# Lightning's fit over gloo and over \"sn\"", "",
              f"{machine['cpu_model']}, {machine['physical_cores']} physical cores ({', '.join(machine['isa'])}), "
-             f"torch {machine['torch']}. `python scripts/lightning_bench.py --rounds {rounds}`: "
+             f"torch {machine['torch']}. `python benchmarks/lightning_bench.py --rounds {rounds}`: "
              "`Trainer(accelerator=\"cpu\", devices=2, strategy=DDPStrategy(process_group_backend=...))` started by "
              f"Lightning itself, an MLP 784-{WIDTH}-{WIDTH}-10 in float32, {PER_PROCESS_BATCH} samples per process, "
              f"SGD, synthetic data, {WARMUP} warm-up steps then {STEPS} timed on rank 0; {rounds} rounds "

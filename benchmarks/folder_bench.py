@@ -13,7 +13,7 @@ cifar10_quick (random crop and flip on):
 Also the cost of reading one sample alone (open, decode, augment, normalise) in one process.
 Rounds alternate the variants, so that drift on a shared machine hits all alike; medians.
 
-    python scripts/folder_bench.py [--rounds 3] [--workers 2] [--images DIR] [--out results/folder_bench]
+    python benchmarks/folder_bench.py [--rounds 3] [--workers 2] [--images DIR] [--out results/folder_bench]
 """
 from __future__ import annotations
 
@@ -120,12 +120,12 @@ def main() -> None:
     machine = describe_machine()
     head = ["# Images read per sample from files, against preloaded", "",
             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores "
-            f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python scripts/folder_bench.py --rounds "
+            f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python benchmarks/folder_bench.py --rounds "
             f"{args.rounds}`: {args.workers} workers x 1 thread, {WARMUP} warm-up steps, {args.rounds} alternating "
             "rounds, medians [min-max]; stage columns: milliseconds per step in each stage, averaged over the "
             "workers (`data`: waiting for this step's slice).", ""]
     write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "sets": report,
-                            "command": f"python scripts/folder_bench.py --rounds {args.rounds}"},
+                            "command": f"python benchmarks/folder_bench.py --rounds {args.rounds}"},
                  "\n".join(head + lines))
 
 

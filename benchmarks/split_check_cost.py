@@ -6,7 +6,7 @@ This times that check against the step it rides on (forward, backward and SGD's 
 same micro-batch, in the same thread count), alternating the two, and gives the cost per checked
 step and spread over runs of 1,000 and 10,000 steps (11 and 14 checks).
 
-    python scripts/split_check_cost.py [--repeats 30] [--out results/<machine>/split_check_cost]
+    python benchmarks/split_check_cost.py [--repeats 30] [--out results/<machine>/split_check_cost]
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main() -> None:
     checks_in = {steps: sum(1 for s in range(steps) if split_check.due(s)) for steps in (1000, 10000)}
     lines = ["# What verifying the loss's split while training costs", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
-             f"`python scripts/split_check_cost.py --repeats {args.repeats} --threads {args.threads}`: one process, "
+             f"`python benchmarks/split_check_cost.py --repeats {args.repeats} --threads {args.threads}`: one process, "
              f"{args.threads} intra-op thread(s), synthetic data, SGD momentum 0.9; medians of {args.repeats} "
              "alternated repeats. The check runs on a worker's first micro-batch of steps 1, 2, 4, 8, ...: "
              f"{checks_in[1000]} of 1,000 steps, {checks_in[10000]} of 10,000. Load average at the start: {load:.2f} "

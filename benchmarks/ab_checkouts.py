@@ -1,7 +1,7 @@
 """sn_trainer of two checkouts side by side, in one run: the same fits, alternating, and their ratio.
 
     git worktree add ../base <commit>                      # the checkout to compare with
-    python scripts/ab_checkouts.py ../base [--rounds 5] [--out results/<machine>/ab_checkouts]
+    python benchmarks/ab_checkouts.py ../base [--rounds 5] [--out results/<machine>/ab_checkouts]
 
 Every measurement is a fresh process importing sn_trainer from one checkout (PYTHONPATH), training
 a model of sn_trainer's own on synthetic data with every physical core as a worker, through the
@@ -96,7 +96,7 @@ def main() -> None:
     commits = {label: commit_of(checkout) for label, checkout in checkouts.items()}
     lines = [f"# Two checkouts side by side: {commits['this']} (this) against {commits['base']} (base)", "",
              f"{machine['cpu_model']}, {machine['physical_cores']} physical cores ({', '.join(machine['isa'])}), "
-             f"torch {machine['torch']}. `python scripts/ab_checkouts.py <base checkout> --rounds {args.rounds}"
+             f"torch {machine['torch']}. `python benchmarks/ab_checkouts.py <base checkout> --rounds {args.rounds}"
              + (f" --cases '{args.cases}'" if args.cases else "") + "`: "
              f"{workers} workers, {WARMUP} warm-up steps then {STEPS} measured, SGD, synthetic data; "
              f"{args.rounds} rounds alternating the checkouts; samples/s, medians [min-max]. Other processes used "

@@ -7,7 +7,7 @@ reported apart, for the first compiled run of each case (a cold inductor cache o
 and the later ones (from the cache the workers share). Rounds
 alternate the variants, so that drift on a shared machine hits all alike; medians.
 
-    python scripts/compile_bench.py [--rounds 2] [--workers 2] [--out results/compile_bench]
+    python benchmarks/compile_bench.py [--rounds 2] [--workers 2] [--out results/compile_bench]
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def main() -> None:
     machine = describe_machine()
     lines = ["# torch.compile against eager", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores "
-             f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python scripts/compile_bench.py --rounds "
+             f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python benchmarks/compile_bench.py --rounds "
              f"{args.rounds}`: {args.workers} workers x 1 thread, {STEPS} measured steps after {WARMUP} (the compile "
              f"falls in those), {args.rounds} alternating rounds, medians [min-max].", "",
              "| case | precision ran | eager samples/s | compiled samples/s | compiled / eager | compile s, first run "
@@ -84,7 +84,7 @@ def main() -> None:
                          + (f"{statistics.median(later):.1f} |" if later else "- |"))
     write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "runs": runs,
                             "compiled_over_eager": ratios,
-                            "command": f"python scripts/compile_bench.py --rounds {args.rounds}"}, "\n".join(lines))
+                            "command": f"python benchmarks/compile_bench.py --rounds {args.rounds}"}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ Rounds alternate over every variant and case, so that drift on a shared machine 
 the table gives medians [min-max]. The machine's CPU time spent by other processes during the
 run is measured and reported: a figure taken on a busy machine is marked as such.
 
-    python scripts/ddp_bench.py                       # N = the physical cores
-    python scripts/ddp_bench.py --nproc 16 --rounds 3 # on a bigger machine
+    python benchmarks/ddp_bench.py                       # N = the physical cores
+    python benchmarks/ddp_bench.py --nproc 16 --rounds 3 # on a bigger machine
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
     load = {"wall_seconds": wall, "machine_cpu_seconds": busy, "others_cpu_seconds": max(0.0, busy - own),
             "others_share": max(0.0, busy - own) / busy if busy else 0.0}
     return {"machine": describe_machine(), "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "command": " ".join(["python scripts/ddp_bench.py", *sys.argv[1:]]),
+            "warmup": args.warmup, "command": " ".join(["python benchmarks/ddp_bench.py", *sys.argv[1:]]),
             "rows": rows, "placement": placement, "load": load, "aborted_at_exit": aborted}
 
 

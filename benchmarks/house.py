@@ -1,6 +1,6 @@
 """How the house is built, read from the source alone (no import, no torch): for a before/after.
 
-    python scripts/house.py [PACKAGE_DIR]       # default: sn_trainer/ beside this script
+    python benchmarks/house.py [PACKAGE_DIR]       # default: sn_trainer/ beside this script
 
 Prints:
 - the lines of the ``Trainer`` class, and the ten longest functions of the package;

@@ -14,8 +14,8 @@ worker (scaling), achieved GFLOP/s against the matmul peak measured in the same 
 memory of whole process trees (launcher and workers, the dataset made once and shared the
 same way in each), resnet18, sn vs DDP.
 
-    python scripts/bench.py                 # the full table (about 25 minutes on 2 cores)
-    python scripts/bench.py --quick         # one round, fewer steps: a smoke run
+    python benchmarks/bench.py                 # the full table (about 25 minutes on 2 cores)
+    python benchmarks/bench.py --quick         # one round, fewer steps: a smoke run
 """
 from __future__ import annotations
 
@@ -474,7 +474,7 @@ def main() -> None:
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
               "data": "synthetic, in memory, made once and shared with every process", "matmul_peak_gflops": peak,
               "memory_resnet18_pss_bytes": memory, "rows": rows,
-              "command": "python scripts/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")
+              "command": "python benchmarks/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")
                + (f" --cases '{args.cases}'" if args.cases else "")}
     write_result(args.out, report, markdown(report))
 

@@ -6,7 +6,7 @@ the sweep's own measurements. Reported: the tuned choice against the sweep's bes
 tuner's wall time against ONE pass of the sweep (what an exhaustive search costs; the rounds
 only steady the medians), with the time of all rounds beside it.
 
-    python scripts/tune_check.py [--rounds 2] [--out results/tune]
+    python benchmarks/tune_check.py [--rounds 2] [--out results/tune]
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def main() -> None:
     allocators, openmps = available_allocators(), available_openmps()
     report = {"machine": describe_machine(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
               "allocators": allocators, "openmps": openmps, "cases": [],
-              "command": f"python scripts/tune_check.py --rounds {args.rounds}"}
+              "command": f"python benchmarks/tune_check.py --rounds {args.rounds}"}
     for name, shape, batch in CASES:
         grid = [(w, t, a, o) for w, t in tune.candidates(cores, batch) for a in allocators for o in openmps]
         samples: dict[tuple, list[float]] = {point: [] for point in grid}

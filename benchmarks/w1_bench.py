@@ -13,7 +13,7 @@ Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``,
 batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
 the warm-up, medians over rounds.
 
-    python scripts/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] --out results/<machine>/w1_bench
+    python benchmarks/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] --out results/<machine>/w1_bench
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def main() -> None:
     machine = describe_machine()
     lines = ["# One worker against plain PyTorch", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
-             f"`python scripts/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
+             f"`python benchmarks/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
              f"--threads {args.threads}`: {args.threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
              f"batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
              f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"

@@ -5,7 +5,7 @@ process that has imported sn_trainer, then times a one-step ``fit`` of LeNet wit
 (the first fit), then more one-step fits with new Trainer objects and other worker counts (later
 fits), with warm workers (the default, a fork server) and, for comparison, workers spawned cold.
 
-    python scripts/startup.py [--rounds 5] [--out results/startup]
+    python benchmarks/startup.py [--rounds 5] [--out results/startup]
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def main() -> None:
              "over_bare_import": statistics.median(v) / bare} for k, v in samples.items()]
     machine = describe_machine()
     report = {"machine": machine, "rounds": args.rounds, "later_fit_workers": list(LATER), "rows": rows,
-              "command": "python scripts/startup.py"}
+              "command": "python benchmarks/startup.py"}
     lines = ["# Start-up: a bare import of torch against fits of one step", "",
              f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
              f"`{report['command']}`: {args.rounds} alternating rounds; each fit is a new Trainer and a one-step "
