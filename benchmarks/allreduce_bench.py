@@ -1,7 +1,7 @@
 """All-reduce latency and bandwidth, the "sn" backend against gloo and against the memory's speed, side by
 side in one run.
 
-    python benchmarks/allreduce_bench.py [--procs 2] [--out results/<host>/allreduce.md]
+    python benchmarks/allreduce_bench.py [--procs 2] [--out results/<machine>/allreduce]
 
 The same processes time all three: the default group is "sn", a second group over the same ranks is
 gloo, and each size is timed on one, then the other, then as a plain memory copy of the same bytes in
@@ -17,7 +17,6 @@ version, and how much CPU time other processes took while it ran (a busy machine
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -32,7 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import harness
+
+sys.path.insert(0, str(harness.ROOT))  # this checkout's sn_trainer, here and in the ranks spawned from here
+RESULT = "allreduce"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20]
+TINY_SIZES = [4 << 10, 64 << 10]
 SECONDS_PER_CASE = 0.6
 
 
@@ -82,7 +86,6 @@ def _once(target: torch.Tensor, tensor: torch.Tensor) -> float:
 
 
 def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import sn_trainer.distributed  # noqa: F401  (registers "sn")
 
     cores = sorted(os.sched_getaffinity(0))
@@ -114,7 +117,7 @@ PING_PONG = r"""
 #include <unistd.h>
 int main(int argc, char **argv) {
     volatile int64_t *word = mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    int a = atoi(argv[1]), b = atoi(argv[2]), n = 200000;
+    int a = atoi(argv[1]), b = atoi(argv[2]), n = atoi(argv[3]);
     pid_t child = fork();
     cpu_set_t set; CPU_ZERO(&set); CPU_SET(child == 0 ? b : a, &set); sched_setaffinity(0, sizeof set, &set);
     if (child == 0) { for (int i = 1; i <= n; i++) { while (word[0] != i); word[8] = i; } _exit(0); }
@@ -128,16 +131,17 @@ int main(int argc, char **argv) {
 """
 
 
-def round_trip_ns(tmp: str) -> float | None:
+def round_trip_ns(tmp: str, trips: int = 200000) -> float | None:
     """Nanoseconds for a cache line to go from the first rank's core to the second's and back: where two
     cores lie apart (other dies, or a VM's virtual CPUs placed so by its host), data crossing between
-    them is slow, and every shared-memory collective with it. None where no C compiler is found."""
+    them is slow, and every shared-memory collective with it; the mean of ``trips``. None where no C
+    compiler is found."""
     cores = sorted(os.sched_getaffinity(0))
     source, binary = os.path.join(tmp, "ping.c"), os.path.join(tmp, "ping")
     Path(source).write_text(PING_PONG.replace("#include <stdio.h>", "#include <stdio.h>\n#include <stdlib.h>"))
     try:
         subprocess.run(["cc", "-O2", "-o", binary, source], check=True, capture_output=True)
-        return float(subprocess.run([binary, str(cores[0]), str(cores[-1])], capture_output=True, text=True,
+        return float(subprocess.run([binary, str(cores[0]), str(cores[-1]), str(trips)], capture_output=True, text=True,
                                     check=True).stdout)
     except (OSError, subprocess.CalledProcessError, ValueError):
         return None
@@ -180,7 +184,7 @@ def report(rows, native: bool, procs: int, seconds: float, others: float, round_
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
              f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
              f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-             "with `python benchmarks/allreduce_bench.py" + (f" --procs {procs}" if procs != 2 else "") + "`", "",
+             f"with `{harness.command()}`", "",
              "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up | copy (bound) "
              "| sn of bound | sn fastest | gloo fastest | copy fastest | speed-up, fastest |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -204,24 +208,26 @@ def _seconds(seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--procs", type=int, default=2, help="processes (ranks) on this machine")
-    parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=SIZES,
+    parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=None,
                         help="bytes per all-reduce, comma-separated (default: 4 KB to 64 MB)")
-    parser.add_argument("--out", required=True, help="the markdown report, e.g. results/<host>/allreduce.md")
     args = parser.parse_args()
+    sizes = args.sizes or (TINY_SIZES if args.tiny else SIZES)
     with tempfile.TemporaryDirectory() as tmp:
         store, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
-        round_trip = round_trip_ns(tmp)
+        round_trip = round_trip_ns(tmp, 1000 if args.tiny else 200000)
         started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
-        mp.spawn(bench_rank, args=(args.procs, store, rows_file, args.sizes), nprocs=args.procs)
+        mp.spawn(bench_rank, args=(args.procs, store, rows_file, sizes), nprocs=args.procs)
         seconds = time.monotonic() - started
         others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
         rows, native = torch.load(rows_file)
         text = report(rows, native, args.procs, seconds, others, round_trip)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    harness.write(harness.out_of(args, RESULT),
+                  {"machine": harness.describe(), "procs": args.procs, "native": native, "round_trip_ns": round_trip, "seconds": seconds,
+                   "others_cpu_seconds": others, "command": harness.command(),
+                   "rows": [{"bytes": size, "sn_s": sn, "gloo_s": gloo, "copy_s": copy}
+                            for size, sn, gloo, copy in rows]}, text)
 
 
 if __name__ == "__main__":

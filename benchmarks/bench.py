@@ -14,8 +14,8 @@ worker (scaling), achieved GFLOP/s against the matmul peak measured in the same 
 memory of whole process trees (launcher and workers, the dataset made once and shared the
 same way in each), resnet18, sn vs DDP.
 
-    python benchmarks/bench.py                 # the full table (about 25 minutes on 2 cores)
-    python benchmarks/bench.py --quick         # one round, fewer steps: a smoke run
+    python benchmarks/bench.py              # the full table (about 25 minutes on 2 cores)
+    python benchmarks/bench.py --cases 'lenet b64 cl,gpt b32' --rounds 2   # some rows
 """
 from __future__ import annotations
 
@@ -41,19 +41,22 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
-from sn_trainer.engine.runtime import Runtime, available_allocators, available_openmps, default_runtime
+from sn_trainer.engine.runtime import (Runtime, available_allocators, available_openmps, default_runtime,
+                                       forget_openmp_registrations)
 from sn_trainer.engine.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
-from sn_trainer.engine.machine import bf16_supported, describe_machine
+from sn_trainer.engine.machine import bf16_supported
 from sn_trainer.engine.memory import pss_bytes
-from sn_trainer.report.results import write_result
+
+import harness
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
           "resnet18": (3, 64, 64)}
 GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # the gpt_text preset's size
 VARIANTS = ("plain", "ddp", "sn", "ideal")
+RESULT = "bench"
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,9 @@ def one(spec: str, what: str) -> None:
     if rank == 0:
         print(case.batch * timing.steps / seconds.item(), flush=True)
     dist.barrier()
+    # Leaving without the exit handlers (gloo's teardown, as ddp_worker) skips Intel's OpenMP's too, which
+    # run_cpu preloads: its registration in /dev/shm is this process's to remove.
+    forget_openmp_registrations([os.getpid()])
     os._exit(0)
 
 
@@ -350,18 +356,21 @@ def tree_pss(root: psutil.Process) -> int:
 
 
 MEMORY_CASE, MEMORY_TIMING = Case("resnet18", 32), Timing(warmup=3, steps=12)
+TINY_MEMORY_CASE, TINY_MEMORY_TIMING = Case("lenet", 8), Timing(warmup=1, steps=2)
 
 
-def memory_probe(variant: str, workers: int) -> None:
+def memory_probe(variant: str, workers: int, tiny: bool) -> None:
     """Run one variant of the memory case in this process (its launcher); ``memory_comparison`` samples it."""
-    measure(variant, MEMORY_CASE, workers, MEMORY_TIMING, read_topology())
+    case, timing = (TINY_MEMORY_CASE, TINY_MEMORY_TIMING) if tiny else (MEMORY_CASE, MEMORY_TIMING)
+    measure(variant, case, workers, timing, read_topology())
 
 
-def memory_comparison(workers: int) -> dict:
+def memory_comparison(workers: int, tiny: bool = False) -> dict:
     """Peak summed PSS of each variant's whole process tree, the launcher included, sampled every 0.2 s."""
     out = {}
     for variant in ("sn", "ddp"):
-        probe = subprocess.Popen([sys.executable, __file__, "--memory-probe", variant, "--workers", str(workers)])
+        probe = subprocess.Popen([sys.executable, __file__, "--memory-probe", variant, "--workers", str(workers),
+                                  *(["--tiny"] if tiny else [])])
         root, peak = psutil.Process(probe.pid), 0
         while probe.poll() is None:
             try:
@@ -383,11 +392,11 @@ ALLOCATED = [a for a in ("jemalloc", "tcmalloc") if a in available_allocators()]
 WITH_INTEL_OPENMP = [f"{a}_intel" for a in ("system", *ALLOCATED)] if "intel" in available_openmps() else []
 
 
-def variants_of(case: Case, runtimes: bool = False) -> tuple[str, ...]:
+def variants_of(case: Case, runtimes: bool = False, launches: tuple[str, ...] | None = None) -> tuple[str, ...]:
     extra = ("sn_sync",) if case.batch_norm else ()  # the cost of sync_batchnorm
     if runtimes:  # every variant with its best launch: plain PyTorch, the ideal and sn_trainer with each
-        # allocator x OpenMP runtime alike, and run_cpu's own launch for plain PyTorch and DDP
-        launches = (*ALLOCATED, *WITH_INTEL_OPENMP)
+        # allocator x OpenMP runtime alike (or those of ``launches``), and run_cpu's own launch for plain PyTorch and DDP
+        launches = (*ALLOCATED, *WITH_INTEL_OPENMP) if launches is None else launches
         extra += ("plain_cpu", "ddp_cpu", *(f"{variant}_{a}" for variant in ("plain", "ideal", "sn") for a in launches))
     return (*VARIANTS, *extra, "sn_1worker")
 
@@ -400,14 +409,12 @@ def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
-    parser.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
     parser.add_argument("--cases", help="only these rows, by label, comma-separated (e.g. 'lenet b128 cl,gpt b32')")
-    parser.add_argument("--out", default="results/bench")
     parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -417,10 +424,10 @@ def main() -> None:
     topology = read_topology()
     workers = args.workers or topology.physical_cores
     if args.memory_probe:
-        memory_probe(args.memory_probe, workers)
+        memory_probe(args.memory_probe, workers, args.tiny)
         return
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 20, 3
+    if args.tiny:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
     timing = Timing(args.warmup, args.steps)
     fp32 = [Case("lenet", 64), Case("lenet", 128), Case("lenet", 256), Case("cifar10_quick", 100),
             Case("cifar10_quick", 200)]
@@ -438,26 +445,30 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case {sorted(unknown)}; the cases: {', '.join(c.label for c in cases)}")
         cases = [c for c in cases if c.label in wanted]
+    elif args.tiny:  # a row of every table, at a batch of a few samples
+        cases = [Case("lenet", 8, "fp32", True)]
     # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).
     runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32"}
+    # A tiny run launches each peer with one runtime of the six: the last, which changes both libraries.
+    launches = (*ALLOCATED, *WITH_INTEL_OPENMP)[-1:] if args.tiny else None
 
     samples: dict[tuple[str, str], list[float]] = {}
     for round_index in range(args.rounds):
         for case in cases:
-            for variant in variants_of(case, case.label in runtime_rows):
+            for variant in variants_of(case, case.label in runtime_rows, launches):
                 rate = (measure("sn", case, 1, timing.for_case(case), topology) if variant == "sn_1worker"
                         else measure(variant, case, workers, timing.for_case(case), topology))
                 samples.setdefault((case.label, variant), []).append(rate)
                 print(f"round {round_index + 1}: {case.label:24s} {variant:10s} {rate:9.1f} samples/s", flush=True)
 
-    peak = {"fp32": matmul_peak(torch.float32, workers, topology)}
-    if bf16_supported():
-        peak["bf16"] = matmul_peak(torch.bfloat16, workers, topology)
-    memory = memory_comparison(workers)
+    # The peak of each precision the rows ran in: theirs is the fraction of it they reach.
+    peak = {p: matmul_peak(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[p]), workers, topology)
+            for p in sorted({case.precision for case in cases})}
+    memory = memory_comparison(workers, args.tiny)
     rows = []
     for case in cases:
         med = {v: statistics.median(samples[(case.label, v)])
-               for v in variants_of(case, case.label in runtime_rows)}
+               for v in variants_of(case, case.label in runtime_rows, launches)}
         spread = {v: [min(samples[(case.label, v)]), max(samples[(case.label, v)])] for v in med}
         fp32_plain = samples.get((Case(case.model, case.batch).label, "plain"))  # absent when --cases left it out
         gflops = flops_per_sample(case) * med["sn"] / 1e9
@@ -470,13 +481,12 @@ def main() -> None:
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
                      "runtimes": _runtimes(med) if case.label in runtime_rows else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
-    report = {"machine": describe_machine(), "workers": workers, "threads_per_worker": 1,
+    report = {"machine": harness.describe(), "workers": workers, "threads_per_worker": 1,
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "optimizer": "SGD momentum 0.9",
               "data": "synthetic, in memory, made once and shared with every process", "matmul_peak_gflops": peak,
-              "memory_resnet18_pss_bytes": memory, "rows": rows,
-              "command": "python benchmarks/bench.py" + (" --quick" if args.quick else f" --rounds {args.rounds}")
-               + (f" --cases '{args.cases}'" if args.cases else "")}
-    write_result(args.out, report, markdown(report))
+              "memory_case": (TINY_MEMORY_CASE if args.tiny else MEMORY_CASE).label,
+              "memory_pss_bytes": memory, "rows": rows, "command": harness.command()}
+    harness.write(harness.out_of(args, RESULT), report, markdown(report))
 
 
 def _runtimes(med: dict[str, float]) -> dict:
@@ -488,8 +498,7 @@ def _runtimes(med: dict[str, float]) -> dict:
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"# sn_trainer against plain PyTorch, DDP-gloo and the ideal, W={report['workers']}", "",
-             f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores ({', '.join(m['isa'])}), "
-             f"torch {m['torch']}. `{report['command']}`: {report['rounds']} rounds x {report['steps']} steps "
+             f"{harness.machine_line(m)} `{report['command']}`: {report['rounds']} rounds x {report['steps']} steps "
              f"after {report['warmup']} warm-up (resnet18: a fifth of the steps, a quarter of the warm-up), "
              f"{report['optimizer']}, {report['data']}. Samples/s (tokens/s for the GPT) are medians over rounds "
              "[min-max].", "",
@@ -536,8 +545,9 @@ def markdown(report: dict) -> str:
                  + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()) + ". GFLOP/s count the nominal "
                  "operations of direct convolution; oneDNN runs 5x5 convolutions faster than that count allows "
                  "at the matmul's rate, so the fraction can pass 100%: compare rows with it, not with 100%.")
-    mem = report["memory_resnet18_pss_bytes"]
-    lines.append(f"\nresnet18 (3x64x64, batch 32), peak summed PSS of the whole process tree (launcher, fork server "
+    mem, (model, batch) = report["memory_pss_bytes"], report["memory_case"].split(" b")
+    lines.append(f"\n{model} ({'x'.join(map(str, SHAPES[model]))}, batch {batch}), peak summed PSS of the whole "
+                 "process tree (launcher, fork server "
                  f"and workers; the dataset made once in the launcher and shared alike): sn_trainer "
                  f"{mem['sn'] / 2**20:.0f} MiB, DDP {mem['ddp'] / 2**20:.0f} MiB, ratio {mem['ratio_sn_over_ddp']:.2f}.")
     return "\n".join(lines)

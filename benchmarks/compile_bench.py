@@ -7,11 +7,10 @@ reported apart, for the first compiled run of each case (a cold inductor cache o
 and the later ones (from the cache the workers share). Rounds
 alternate the variants, so that drift on a shared machine hits all alike; medians.
 
-    python benchmarks/compile_bench.py [--rounds 2] [--workers 2] [--out results/compile_bench]
+    python benchmarks/compile_bench.py [--rounds 2] [--workers 2]
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -22,20 +21,23 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
-from sn_trainer.report.results import write_result
 
+import harness
+
+RESULT = "compile_bench"
 CASES = {"lenet b64": ("lenet", (1, 28, 28), 64), "lenet b128": ("lenet", (1, 28, 28), 128),
          "cifar10_quick b200": ("cifar10_quick", (3, 32, 32), 200)}
+PRECISIONS = ("fp32", "bf16")
 WARMUP, STEPS = 5, 40
 
 
-def run(case: str, precision: str, compiled: bool, workers: int) -> dict:
-    name, shape, batch = CASES[case]
+def run(case: tuple[str, tuple[int, ...], int], precision: str, compiled: bool, workers: int, warmup: int,
+        steps: int) -> dict:
+    name, shape, batch = case
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, *shape, generator=g), torch.randint(0, 10, (4096,), generator=g))
     torch.manual_seed(0)
-    result = Trainer(workers=workers, batch_size=batch, max_steps=WARMUP + STEPS, measure_after=WARMUP,
+    result = Trainer(workers=workers, batch_size=batch, max_steps=warmup + steps, measure_after=warmup,
                      precision=precision, compile=compiled, log_every=10**9).fit(
         build_model(name, shape, 10), data, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9))
     return {"samples_per_sec": result.samples_per_sec, "compile_seconds": result.compile_seconds,
@@ -43,48 +45,49 @@ def run(case: str, precision: str, compiled: bool, workers: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default="results/compile_bench")
     args = parser.parse_args()
+    # A tiny run compiles the smallest model, an MLP, once in fp32: the compile is most of its time.
+    cases, precisions = ({"mlp b8": ("mlp", (1, 28, 28), 8)}, ("fp32",)) if args.tiny else (CASES, PRECISIONS)
+    warmup, steps = (1, 2) if args.tiny else (WARMUP, STEPS)
+    rounds = 1 if args.tiny else args.rounds
     # A cache of this run's own: the first compiled run of each case compiles cold, the later ones
     # from what it left (the workers pass the variable on to their compiles).
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="sn_trainer-inductor-")
-    variants = [(case, precision, compiled) for case in CASES for precision in ("fp32", "bf16")
+    variants = [(case, precision, compiled) for case in cases for precision in precisions
                 for compiled in (False, True)]
     runs: dict[str, list[dict]] = {f"{c} {p} {'compiled' if k else 'eager'}": [] for c, p, k in variants}
-    for round_index in range(args.rounds):
+    for round_index in range(rounds):
         for case, precision, compiled in variants:
             key = f"{case} {precision} {'compiled' if compiled else 'eager'}"
-            runs[key].append(run(case, precision, compiled, args.workers))
+            runs[key].append(run(cases[case], precision, compiled, args.workers, warmup, steps))
             print(f"round {round_index + 1}: {key:36s} {runs[key][-1]['samples_per_sec']:8.0f} samples/s"
                   + (f", compile {runs[key][-1]['compile_seconds']:.1f} s" if compiled else ""), flush=True)
-    machine = describe_machine()
+    machine = harness.describe()
     lines = ["# torch.compile against eager", "",
-             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores "
-             f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python benchmarks/compile_bench.py --rounds "
-             f"{args.rounds}`: {args.workers} workers x 1 thread, {STEPS} measured steps after {WARMUP} (the compile "
-             f"falls in those), {args.rounds} alternating rounds, medians [min-max].", "",
+             f"{harness.machine_line(machine)} `{harness.command()}`: {args.workers} workers x 1 thread, {steps} "
+             f"measured steps after {warmup} (the compile falls in those), {rounds} alternating rounds, medians "
+             "[min-max].", "",
              "| case | precision ran | eager samples/s | compiled samples/s | compiled / eager | compile s, first run "
              "| compile s, later |", "|---|---|---:|---:|---:|---:|---:|"]
     ratios = {}
-    for case in CASES:
-        for precision in ("fp32", "bf16"):
+    for case in cases:
+        for precision in precisions:
             eager, compiled = runs[f"{case} {precision} eager"], runs[f"{case} {precision} compiled"]
             e = statistics.median(r["samples_per_sec"] for r in eager)
             c = statistics.median(r["samples_per_sec"] for r in compiled)
             ratios[f"{case} {precision}"] = c / e
             later = [r["compile_seconds"] for r in compiled[1:]]
-            spread = {k: [r["samples_per_sec"] for r in rs] for k, rs in (("e", eager), ("c", compiled))}
-            lines.append(f"| {case} | {compiled[0]['precision']} | {e:.0f} "
-                         f"[{min(spread['e']):.0f}-{max(spread['e']):.0f}] | {c:.0f} "
-                         f"[{min(spread['c']):.0f}-{max(spread['c']):.0f}] | {c / e:.3f} | "
+            lines.append(f"| {case} | {compiled[0]['precision']} | "
+                         f"{harness.spread([r['samples_per_sec'] for r in eager])} | "
+                         f"{harness.spread([r['samples_per_sec'] for r in compiled])} | {c / e:.3f} | "
                          f"{compiled[0]['compile_seconds']:.1f} | "
                          + (f"{statistics.median(later):.1f} |" if later else "- |"))
-    write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "runs": runs,
-                            "compiled_over_eager": ratios,
-                            "command": f"python benchmarks/compile_bench.py --rounds {args.rounds}"}, "\n".join(lines))
+    harness.write(harness.out_of(args, RESULT), {"machine": machine, "workers": args.workers, "rounds": rounds,
+                                                 "runs": runs, "compiled_over_eager": ratios,
+                                                 "command": harness.command()}, "\n".join(lines))
 
 
 if __name__ == "__main__":

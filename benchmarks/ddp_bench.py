@@ -1,5 +1,5 @@
-"""The same plain DDP training script (examples/ddp_train.py), side by side in one run, against
-sn_trainer's own Trainer on the same model and global batch:
+"""The same plain DDP training script (examples/ddp_train.py) under torchrun and sn_trainer.launch, side by
+side in one run, against sn_trainer's own Trainer on the same model and global batch.
 
 (a) torchrun + gloo        `python -m torch.distributed.run`: its defaults (OMP_NUM_THREADS=1, no pinning);
 (b) sn_trainer.launch + gloo   each rank pinned to its own physical cores, threads = its cores;
@@ -11,8 +11,8 @@ Rounds alternate over every variant and case, so that drift on a shared machine 
 the table gives medians [min-max]. The machine's CPU time spent by other processes during the
 run is measured and reported: a figure taken on a busy machine is marked as such.
 
-    python benchmarks/ddp_bench.py                       # N = the physical cores
-    python benchmarks/ddp_bench.py --nproc 16 --rounds 3 # on a bigger machine
+    python benchmarks/ddp_bench.py                        # N = the physical cores
+    python benchmarks/ddp_bench.py --nproc 16 --rounds 3  # on a bigger machine
 """
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
-from sn_trainer.engine.machine import describe_machine, machine_slug
 from sn_trainer.models import build_model
-from sn_trainer.report.results import write_result
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+RESULT = "ddp_bench"
+ROOT = harness.ROOT
 TRAIN = ROOT / "examples" / "ddp_train.py"
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32)}
 VARIANTS = ("torchrun_gloo", "launch_gloo", "launch_sn", "launch_sn_unpinned", "trainer")
@@ -129,16 +130,11 @@ class TreeCpu:
         return sum(self.seen.values())
 
 
-def summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
-
-
 def markdown(report: dict) -> str:
     m, load = report["machine"], report["load"]
     lines = [f"# The same DDP script: torchrun + gloo, sn_trainer.launch + gloo / + sn, and sn_trainer's Trainer, "
              f"N={report['nproc']}", "",
-             f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores ({', '.join(m['isa'])}), "
-             f"{m['memory_gib']} GiB, torch {m['torch']}. `{report['command']}`: {report['rounds']} rounds x "
+             f"{harness.machine_line(m, memory=True)} `{report['command']}`: {report['rounds']} rounds x "
              f"{report['steps']} steps after {report['warmup']} warm-up, SGD momentum 0.9, synthetic data in memory, "
              "global batch split evenly over the ranks. Samples/s (rank 0's count over the slowest rank's time; "
              "the Trainer's own samples_per_sec), medians over rounds [min-max].", "",
@@ -151,7 +147,7 @@ def markdown(report: dict) -> str:
              "launch+sn / Trainer |", "|---|" + "---:|" * (len(VARIANTS) + 2)]
     for label, row in report["rows"].items():
         med = {v: statistics.median(row[v]) for v in VARIANTS}
-        lines.append(f"| {label} | " + " | ".join(summary(row[v]) for v in VARIANTS)
+        lines.append(f"| {label} | " + " | ".join(harness.spread(row[v]) for v in VARIANTS)
                      + f" | {med['launch_sn'] / med['torchrun_gloo']:.2f} | {med['launch_sn'] / med['trainer']:.2f} |")
     lines += ["", "Placement as each DDP rank 0 reported it: " + "; ".join(
         f"{LABELS[v]}: {report['placement'][v]}" for v in VARIANTS if v in report["placement"])]
@@ -160,14 +156,6 @@ def markdown(report: dict) -> str:
               "while gloo's thread still held the backward's last work): " + "; ".join(
                   f"{LABELS[v]} {report['aborted_at_exit'][v]} of {launches}" for v in VARIANTS if v != "trainer")]
     return "\n".join(lines)
-
-
-def default_out() -> str:
-    machine = describe_machine()
-    isa = "avx512" if "avx512f" in machine["isa"] else "avx2" if "avx2" in machine["isa"] else ""
-    slug = machine_slug(machine)
-    folder = slug.replace(f"-{machine['physical_cores']}c", f"-{isa}-{machine['physical_cores']}c") if isa else slug
-    return str(ROOT / "results" / folder / "ddp_bench")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -188,23 +176,24 @@ def run(args: argparse.Namespace) -> dict:
     wall, busy = time.perf_counter() - start_wall, busy_seconds() - start_busy
     load = {"wall_seconds": wall, "machine_cpu_seconds": busy, "others_cpu_seconds": max(0.0, busy - own),
             "others_share": max(0.0, busy - own) / busy if busy else 0.0}
-    return {"machine": describe_machine(), "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "command": " ".join(["python benchmarks/ddp_bench.py", *sys.argv[1:]]),
+    return {"machine": harness.describe(), "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
+            "warmup": args.warmup, "command": harness.command(),
             "rows": rows, "placement": placement, "load": load, "aborted_at_exit": aborted}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--nproc", type=int, default=psutil.cpu_count(logical=False) or 1,
                         help="processes (DDP ranks, Trainer workers); default: the physical cores")
     parser.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated: '<model> b<global batch> [cl]'")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--out", default=None, help="results file stem (default: results/<machine>/ddp_bench)")
     args = parser.parse_args()
+    if args.tiny:  # each launch once, a step or two of LeNet on a few samples
+        args.cases, args.rounds, args.steps, args.warmup = "lenet b8 cl", 1, 2, 1
     report = run(args)
-    write_result(args.out or default_out(), report, markdown(report))
+    harness.write(harness.out_of(args, RESULT), report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ cifar10_quick (random crop and flip on):
 Also the cost of reading one sample alone (open, decode, augment, normalise) in one process.
 Rounds alternate the variants, so that drift on a shared machine hits all alike; medians.
 
-    python benchmarks/folder_bench.py [--rounds 3] [--workers 2] [--images DIR] [--out results/folder_bench]
+    python benchmarks/folder_bench.py [--rounds 3] [--workers 2] [--images DIR]
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ from sn_trainer.cli.config import DatasetConfig
 from sn_trainer.cli.datasets import load_datasets
 from sn_trainer.engine.stages import STEP_STAGES
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
-from sn_trainer.report.results import write_result
 
+import harness
+
+RESULT = "folder_bench"
 SETS = {"32x32": (32, 20_000, 200, 40), "224x224": (224, 2_000, 32, 12)}  # size, images, batch, measured steps
+TINY_SETS = {"32x32": (32, 64, 16, 2)}
 WARMUP = 4
 TINTS = torch.tensor([[1.0, 0.6, 0.6], [0.6, 1.0, 0.6], [0.6, 0.6, 1.0], [1.0, 1.0, 0.5], [1.0, 0.5, 1.0],
                       [0.5, 1.0, 1.0], [0.9, 0.7, 0.5], [0.5, 0.7, 0.9], [0.8, 0.8, 0.8], [1.0, 0.8, 0.6]])
@@ -69,10 +71,10 @@ def read_cost(dataset, samples: int = 500) -> float:
     return 1e6 * (time.perf_counter() - started) / samples
 
 
-def train(data, size: int, batch: int, steps: int, workers: int, prefetch: bool) -> dict:
+def train(data, size: int, batch: int, steps: int, warmup: int, workers: int, prefetch: bool) -> dict:
     torch.manual_seed(0)
     model = build_model("cifar10_quick", (3, size, size), data.num_classes)
-    result = Trainer(workers=workers, batch_size=batch, max_steps=WARMUP + steps, measure_after=WARMUP,
+    result = Trainer(workers=workers, batch_size=batch, max_steps=warmup + steps, measure_after=warmup,
                      prefetch=prefetch, log_every=10**9).fit(
         model, data.train, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9))
     return {"samples_per_sec": result.samples_per_sec, "prefetch": result.plan["prefetch"],
@@ -80,27 +82,35 @@ def train(data, size: int, batch: int, steps: int, workers: int, prefetch: bool)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--images", default=str(Path(tempfile.gettempdir()) / "sn_trainer-folder-bench"))
-    parser.add_argument("--out", default="results/folder_bench")
+    parser.add_argument("--images", default=str(Path(tempfile.gettempdir()) / "sn_trainer-folder-bench"),
+                        help="where the generated image sets are kept between runs")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:  # a tiny run's few images, not kept
+        images = Path(scratch) if args.tiny else Path(args.images)
+        measure(args, TINY_SETS if args.tiny else SETS, images, 1 if args.tiny else args.rounds,
+                1 if args.tiny else WARMUP, 50 if args.tiny else 500)
+
+
+def measure(args: argparse.Namespace, sets: dict, images: Path, rounds: int, warmup: int, read_samples: int) -> None:
+    """Each set of ``sets``, generated under ``images``, read every way; the results written."""
     report, lines = {}, []
-    for name, (size, count, batch, steps) in SETS.items():
-        folder = generate(Path(args.images), size, count)
+    for name, (size, count, batch, steps) in sets.items():
+        folder = generate(images, size, count)
         common = dict(name="folder", root=str(folder), image_size=size, augment=True, test_fraction=0.01)
         variants = {"preloaded": (load_datasets(DatasetConfig(**common, preload=True)), False),
                     "files, inline": (load_datasets(DatasetConfig(**common)), False),
                     "files, read ahead": (load_datasets(DatasetConfig(**common)), True)}
         runs: dict[str, list[dict]] = {variant: [] for variant in variants}
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             for variant, (data, prefetch) in variants.items():
-                runs[variant].append(train(data, size, batch, steps, args.workers, prefetch))
+                runs[variant].append(train(data, size, batch, steps, warmup, args.workers, prefetch))
                 print(f"{name} round {round_index + 1}: {variant:18s} "
                       f"{runs[variant][-1]['samples_per_sec']:8.0f} samples/s", flush=True)
-        costs = {"preloaded": read_cost(variants["preloaded"][0].train),
-                 "files": read_cost(variants["files, inline"][0].train)}
+        costs = {"preloaded": read_cost(variants["preloaded"][0].train, read_samples),
+                 "files": read_cost(variants["files, inline"][0].train, read_samples)}
         median = {v: statistics.median(r["samples_per_sec"] for r in rs) for v, rs in runs.items()}
         stages = {v: {s: statistics.median(r["stage_ms"][s] for r in rs) for s in STEP_STAGES} for v, rs in runs.items()}
         report[name] = {"images": count, "batch_size": batch, "measured_steps": steps, "runs": runs,
@@ -111,22 +121,19 @@ def main() -> None:
                   "| variant | samples/s | / preloaded | " + " | ".join(f"{s} ms" for s in STEP_STAGES) + " |",
                   "|---|---:|---:|" + "---:|" * len(STEP_STAGES)]
         for variant in variants:
-            spread = [r["samples_per_sec"] for r in runs[variant]]
-            lines.append(f"| {variant} | {median[variant]:.0f} [{min(spread):.0f}-{max(spread):.0f}] | "
+            lines.append(f"| {variant} | {harness.spread([r['samples_per_sec'] for r in runs[variant]])} | "
                          f"{median[variant] / median['preloaded']:.3f} | "
                          + " | ".join(f"{stages[variant][s]:.1f}" for s in STEP_STAGES) + " |")
         lines += ["", f"Reading one sample alone (one process, one thread): preloaded {costs['preloaded']:.0f} µs, "
                       f"from its file {costs['files']:.0f} µs (open, decode, crop and flip, normalise).", ""]
-    machine = describe_machine()
+    machine = harness.describe()
     head = ["# Images read per sample from files, against preloaded", "",
-            f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores "
-            f"({', '.join(machine['isa'])}), torch {machine['torch']}. `python benchmarks/folder_bench.py --rounds "
-            f"{args.rounds}`: {args.workers} workers x 1 thread, {WARMUP} warm-up steps, {args.rounds} alternating "
-            "rounds, medians [min-max]; stage columns: milliseconds per step in each stage, averaged over the "
-            "workers (`data`: waiting for this step's slice).", ""]
-    write_result(args.out, {"machine": machine, "workers": args.workers, "rounds": args.rounds, "sets": report,
-                            "command": f"python benchmarks/folder_bench.py --rounds {args.rounds}"},
-                 "\n".join(head + lines))
+            f"{harness.machine_line(machine)} `{harness.command()}`: {args.workers} workers x 1 thread, {warmup} "
+            f"warm-up steps, {rounds} alternating rounds, medians [min-max]; stage columns: milliseconds per step in "
+            "each stage, averaged over the workers (`data`: waiting for this step's slice).", ""]
+    harness.write(harness.out_of(args, RESULT), {"machine": machine, "workers": args.workers, "rounds": rounds,
+                                                 "sets": report, "command": harness.command()},
+                  "\n".join(head + lines))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How the house is built, read from the source alone (no import, no torch): for a before/after.
 
-    python benchmarks/house.py [PACKAGE_DIR]       # default: sn_trainer/ beside this script
+    python benchmarks/house.py [PACKAGE_DIR]    # default: this checkout's sn_trainer/
 
 Prints:
 - the lines of the ``Trainer`` class, and the ten longest functions of the package;
@@ -20,10 +20,13 @@ change; the module that defines the new kind itself is counted.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 from collections import Counter, defaultdict
 from pathlib import Path
+
+import harness
+
+RESULT = None  # it prints; a before/after keeps both printouts
 
 
 def modules(package: Path) -> dict[str, ast.Module]:
@@ -186,8 +189,8 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("package", nargs="?", default=str(Path(__file__).resolve().parents[1] / "sn_trainer"))
+    parser = harness.options(__doc__, RESULT)  # --tiny changes nothing: reading the source is quick at any size
+    parser.add_argument("package", nargs="?", default=str(harness.ROOT / "sn_trainer"))
     package = Path(parser.parse_args().package)
     mods = modules(package)
     for path, tree in mods.items():

@@ -1,6 +1,9 @@
 """Starts of a tiny gloo DDP script under ``python -m sn_trainer.launch``, counted by how each ended.
 
-    python benchmarks/launch_starts.py [--starts 50] [--tree <checkout>] --out results/<host>/launch_starts.md
+    python benchmarks/launch_starts.py [--starts 50] [--tree <checkout>]
+
+Each run appends its table to results/<machine>/launch_starts.md (or --out), so that runs of two
+checkouts stand side by side.
 
 Each start is a fresh launcher with 2 ranks pinned to a core each, the script training one DDP step over
 gloo and ending. A rank that aborts in the interpreter's teardown (gloo's thread still releasing the
@@ -9,7 +12,6 @@ launcher (e.g. one from before the fix, made with ``git worktree add``), to comp
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import os
@@ -22,6 +24,10 @@ from pathlib import Path
 
 import torch
 
+import harness
+
+RESULT = "launch_starts"
+RESULT_FILES = "results/<machine>/launch_starts.md, each run's table appended"
 SCRIPT = """
 import torch
 import torch.distributed as dist
@@ -50,11 +56,12 @@ def start(tree: Path, script: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--starts", type=int, default=50)
-    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--tree", type=Path, default=harness.ROOT, help="the checkout whose launcher starts")
     args = parser.parse_args()
+    if args.tiny:
+        args.starts = 1
     commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,11 +75,12 @@ def main() -> None:
     text = (f"# {args.starts} starts of a gloo DDP script under sn_trainer.launch, checkout {commit}\n\n"
             f"- CPU: {cpu}; {len(os.sched_getaffinity(0))} cores usable; torch {torch.__version__}\n"
             f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC in {seconds:.0f} s with "
-            f"`python benchmarks/launch_starts.py --starts {args.starts}`\n\n| outcome | starts |\n|---|---:|\n"
+            f"`{harness.command({str(args.tree): '<checkout>'})}`\n\n| outcome | starts |\n|---|---:|\n"
             + "".join(f"| {outcome} | {count} |\n" for outcome, count in outcomes.most_common()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as out:
-        out.write(text + "\n")
+    out = harness.out_of(args, RESULT).with_suffix(".md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as markdown:
+        markdown.write(text + "\n")
     print(text)
 
 

@@ -6,11 +6,10 @@ This times that check against the step it rides on (forward, backward and SGD's 
 same micro-batch, in the same thread count), alternating the two, and gives the cost per checked
 step and spread over runs of 1,000 and 10,000 steps (11 and 14 checks).
 
-    python benchmarks/split_check_cost.py [--repeats 30] [--out results/<machine>/split_check_cost]
+    python benchmarks/split_check_cost.py [--repeats 30]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -19,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from sn_trainer.engine import split_check
-from sn_trainer.engine.machine import describe_machine
 from sn_trainer.engine.objective import MEAN, Objective
 from sn_trainer.models import build_model
-from sn_trainer.report.results import write_result
+
+import harness
+
+RESULT = "split_check_cost"
 
 CASES = {"lenet, micro-batch 32": ("lenet", (1, 28, 28), 32), "lenet, micro-batch 64": ("lenet", (1, 28, 28), 64),
          "cifar10_quick, micro-batch 100": ("cifar10_quick", (3, 32, 32), 100)}
@@ -52,11 +53,12 @@ def measure(model_name: str, shape: tuple[int, int, int], samples: int, repeats:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (a worker's, by default 1)")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.tiny:
+        args.repeats = 1
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]  # a ratio of two alternated timings holds up on a busy machine; say it anyway
     rows = {}
@@ -64,11 +66,10 @@ def main() -> None:
         step, check = measure(name, shape, samples, args.repeats)
         rows[label] = {"step_s": step, "check_s": check}
         print(f"{label}: step {step * 1e3:.2f} ms, check {check * 1e3:.2f} ms", flush=True)
-    machine = describe_machine()
+    machine = harness.describe()
     checks_in = {steps: sum(1 for s in range(steps) if split_check.due(s)) for steps in (1000, 10000)}
     lines = ["# What verifying the loss's split while training costs", "",
-             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
-             f"`python benchmarks/split_check_cost.py --repeats {args.repeats} --threads {args.threads}`: one process, "
+             f"{harness.machine_line(machine)} `{harness.command()}`: {args.repeats} repeats, one process, "
              f"{args.threads} intra-op thread(s), synthetic data, SGD momentum 0.9; medians of {args.repeats} "
              "alternated repeats. The check runs on a worker's first micro-batch of steps 1, 2, 4, 8, ...: "
              f"{checks_in[1000]} of 1,000 steps, {checks_in[10000]} of 10,000. Load average at the start: {load:.2f} "
@@ -79,8 +80,9 @@ def main() -> None:
         ratio = row["check_s"] / row["step_s"]
         lines.append(f"| {label} | {row['step_s'] * 1e3:.2f} ms | {row['check_s'] * 1e3:.2f} ms | {ratio:.1%} | "
                      f"{ratio * checks_in[1000] / 1000:.3%} | {ratio * checks_in[10000] / 10000:.4%} |")
-    write_result(args.out, {"machine": machine, "repeats": args.repeats, "threads": args.threads, "rows": rows,
-                            "checks_in": checks_in, "load_average": load}, "\n".join(lines))
+    harness.write(harness.out_of(args, RESULT),
+                  {"machine": machine, "repeats": args.repeats, "threads": args.threads, "rows": rows,
+                   "checks_in": checks_in, "load_average": load, "command": harness.command()}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,10 @@ process that has imported sn_trainer, then times a one-step ``fit`` of LeNet wit
 (the first fit), then more one-step fits with new Trainer objects and other worker counts (later
 fits), with warm workers (the default, a fork server) and, for comparison, workers spawned cold.
 
-    python benchmarks/startup.py [--rounds 5] [--out results/startup]
+    python benchmarks/startup.py [--rounds 5]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -17,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from sn_trainer.engine.machine import describe_machine
-from sn_trainer.report.results import write_result
+import harness
 
-# Later fits: a new Trainer each, worker counts in this order.
-LATER = (2, 1, 2, 2)
+RESULT = "startup"
+# Later fits: a new Trainer each, worker counts in this order (a tiny run's: one).
+LATER, TINY_LATER = (2, 1, 2, 2), (1,)
 
 JOB = """
 import json, sys, time, functools
@@ -45,9 +44,9 @@ def fit(workers, start_method):
 if __name__ == "__main__":
     start_method = sys.argv[1]
     first = fit(2, start_method)
-    later = [fit(w, start_method) for w in %r]
+    later = [fit(w, start_method) for w in json.loads(sys.argv[3])]
     print(json.dumps({"first": first, "later": later}))
-""" % (LATER,)
+"""
 
 
 def bare_import(code: str = "import torch") -> float:
@@ -62,17 +61,18 @@ FIRST_OPTIMIZER = ("import torch; p = torch.nn.Parameter(torch.zeros(1)); p.grad
                    "torch.optim.SGD([p], lr=0.1).step()")
 
 
-def fits(start_method: str, script: Path, when: str = "late") -> dict:
-    out = subprocess.run([sys.executable, str(script), start_method, when], check=True, capture_output=True, text=True)
+def fits(start_method: str, script: Path, later: tuple[int, ...], when: str = "late") -> dict:
+    out = subprocess.run([sys.executable, str(script), start_method, when, json.dumps(list(later))], check=True,
+                         capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default="results/startup")
     args = parser.parse_args()
-    script = Path(args.out).with_suffix(".job.py")
+    rounds, later = (1, TINY_LATER) if args.tiny else (args.rounds, LATER)
+    script = harness.out_of(args, RESULT).with_suffix(".job.py")
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(JOB)
     samples: dict[str, list[float]] = {"bare import torch": [], "import torch + a first optimizer step": [],
@@ -80,14 +80,15 @@ def main() -> None:
                                        "later fits, warm workers": [], "first fit, spawned": [],
                                        "later fits, spawned": []}
     try:
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             samples["bare import torch"].append(bare_import())
             samples["import torch + a first optimizer step"].append(bare_import(FIRST_OPTIMIZER))
             for start_method, label in (("forkserver", "warm workers"), ("spawn", "spawned")):
-                timed = fits(start_method, script)
+                timed = fits(start_method, script, later)
                 samples[f"first fit, {label}"].append(timed["first"])
                 samples[f"later fits, {label}"].extend(timed["later"])
-            samples["first fit, warm_up() at the script's start"].append(fits("forkserver", script, "early")["first"])
+            samples["first fit, warm_up() at the script's start"].append(
+                fits("forkserver", script, later, "early")["first"])
             print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in samples.items()),
                   flush=True)
     finally:
@@ -95,20 +96,19 @@ def main() -> None:
     bare = statistics.median(samples["bare import torch"])
     rows = [{"what": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "n": len(v),
              "over_bare_import": statistics.median(v) / bare} for k, v in samples.items()]
-    machine = describe_machine()
-    report = {"machine": machine, "rounds": args.rounds, "later_fit_workers": list(LATER), "rows": rows,
-              "command": "python benchmarks/startup.py"}
+    machine = harness.describe()
+    report = {"machine": machine, "rounds": rounds, "later_fit_workers": list(later), "rows": rows,
+              "command": harness.command()}
     lines = ["# Start-up: a bare import of torch against fits of one step", "",
-             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
-             f"`{report['command']}`: {args.rounds} alternating rounds; each fit is a new Trainer and a one-step "
-             f"`fit` of LeNet (batch 32): the first with 2 workers, the later ones with {', '.join(map(str, LATER))} "
+             f"{harness.machine_line(machine)} `{report['command']}`: {rounds} alternating rounds; each fit is a new Trainer and a one-step "
+             f"`fit` of LeNet (batch 32): the first with 2 workers, the later ones with {', '.join(map(str, later))} "
              "workers, in the same process; a fit is timed from its Trainer's construction (made just before it, "
              "or after `sn_trainer.warm_up()` at the script's start, before `import torch`). Seconds, medians "
              "[min-max].", "",
              "| what | seconds | / bare import |", "|---|---:|---:|"]
     lines += [f"| {r['what']} | {r['median_s']:.2f} [{r['min_s']:.2f}-{r['max_s']:.2f}] | {r['over_bare_import']:.2f}x |"
               for r in rows]
-    write_result(args.out, report, "\n".join(lines))
+    harness.write(harness.out_of(args, RESULT), report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -4,15 +4,15 @@ Two network namespaces on this machine, joined by a veth pair whose both ends ar
 ``tc qdisc ... netem delay 1ms rate R`` (1 Gbit/s, then 100 Mbit/s; where the kernel has no
 netem, ``tbf rate R`` with no delay added, and the results say which), are the two nodes: one
 torchrun in each, meeting at a static rendezvous on one end's address, one worker per node.
-For LeNet, cifar10_quick and the GPT preset (benchmarks/bench.py's sizes) it measures the step time
+For LeNet, cifar10_quick and the GPT preset (bench.py's sizes) it measures the step time
 (after a warm-up that also holds the compress_after steps) and the bytes each end of the pair
 put on the wire per measured step (the interface's tx_bytes, read by each node's launcher when
 worker 0's progress records of the first and the last measured step arrive: a step of skew at
 most). Then LeNet on Fashion-MNIST for 3 epochs (or a subset, --train-samples), with and without
 compression: the test accuracy after it. Needs root (ip netns, tc).
 
-    python benchmarks/thin_link_bench.py                    # everything: results/<machine>/thin_link.md (--report)
-    python benchmarks/thin_link_bench.py --quick            # 100 Mbit/s only, fewer steps, no accuracy
+    python benchmarks/thin_link_bench.py                 # everything: results/<machine>/thin_link.md (--out)
+    python benchmarks/thin_link_bench.py --quick         # 100 Mbit/s only, fewer steps, no accuracy
 """
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import harness
+
+RESULT = "thin_link"
+ROOT = harness.ROOT
 RATES = ("1gbit", "100mbit")
 MODELS = {"lenet": 64, "cifar10_quick": 100, "gpt": 32}  # batch of each: the presets' (gpt_text: 32)
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -87,7 +90,7 @@ def two_nodes(pair, out: Path, *node_args: str) -> list[dict]:
             ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, "-m",
              "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
              f"--master-addr={pair['a'][2]}", f"--master-port={port}", "--max-restarts=0", __file__, "--as-node",
-             "--device", device, "--out", str(out / f"node{rank}.json"), *node_args],
+             "--device", device, "--node-out", str(out / f"node{rank}.json"), *node_args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for node in nodes:
         _, stderr = node.communicate(timeout=3600)
@@ -129,7 +132,7 @@ def node_main(args) -> None:
     marks = wire_marks.marks
     per_step = ((marks[max(marks)] - marks[args.warmup]) / (max(marks) - args.warmup)
                 if steps and args.warmup in marks and max(marks) > args.warmup else None)
-    Path(args.out).write_text(json.dumps({
+    Path(args.node_out).write_text(json.dumps({
         "step_seconds": result.train_seconds / max(1, result.measured_steps), "steps": result.steps,
         "wire_bytes_per_step": per_step, "eval_accuracy": result.eval_accuracy, "compression": result.compression,
         "train_seconds": result.train_seconds, "other_cpu_percent": result.other_cpu_percent,
@@ -169,13 +172,13 @@ def build(args):
 
 # --- the whole comparison ----------------------------------------------------------------------
 
-def speeds(pair, rates, warmup: int, steps: int, rank: int) -> list[dict]:
+def speeds(pair, rates, models, warmup: int, steps: int, rank: int) -> list[dict]:
     """Each rate x model x compression: step time and bytes per step; the variants of one case
     run back to back, so that the machine's load hits both alike."""
     rows = []
     for rate in rates:
         link = shape(pair, rate)
-        for model in MODELS:
+        for model in models:
             for compress in ("none", "powersgd"):
                 with tempfile.TemporaryDirectory() as tmp:
                     nodes = two_nodes(pair, Path(tmp), "--model", model, "--compress", compress, "--rank", str(rank),
@@ -214,6 +217,7 @@ def _percent(row: dict) -> str:
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# Two nodes over a thin link (benchmarks/thin_link_bench.py)", "",
+             f"`{report['command']}`", "",
              f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, {m['memory_gib']} GiB, torch "
              f"{m['torch']}; both nodes on it, one worker each, in two network namespaces joined by a veth pair, "
              f"each end shaped with tc: {', '.join(sorted({r['link'] for r in report['speeds']}))}. \"others' CPU\" is node 0's other_cpu_percent: "
@@ -240,9 +244,9 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--as-node", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--device"), parser.add_argument("--out"), parser.add_argument("--model", default="lenet")
+    parser.add_argument("--device"), parser.add_argument("--node-out"), parser.add_argument("--model", default="lenet")
     parser.add_argument("--compress", default="none"), parser.add_argument("--after", type=int, default=0)
     parser.add_argument("--epochs", type=int), parser.add_argument("--train-samples", type=int)
     parser.add_argument("--rank", type=int, default=4)
@@ -251,25 +255,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--speeds-from", help="take the speed rows from this file (JSON lines, as a run prints "
                                               "them) instead of measuring them again")
-    parser.add_argument("--report", help="write <report>.md and <report>.json (default results/<machine>/thin_link)")
     args = parser.parse_args()
     if args.as_node:
         return node_main(args)
     sys.path.insert(0, str(ROOT))
-    from sn_trainer.engine.machine import describe_machine, machine_slug
-    from sn_trainer.report.results import write_result
-
-    warmup, steps = (3, 4) if args.quick else (args.warmup, args.steps)
+    # --quick: 100 Mbit/s only, no accuracy; --tiny: that, LeNet only, a step or two.
+    warmup, steps = (1, 2) if args.tiny else (3, 4) if args.quick else (args.warmup, args.steps)
+    short = args.quick or args.tiny
     with veth_pair() as pair:
-        report = {"machine": describe_machine(), "rank": args.rank, "warmup": warmup, "steps": steps,
-                  "train_samples": args.train_samples,
+        report = {"machine": harness.describe(), "command": harness.command(), "rank": args.rank, "warmup": warmup,
+                  "steps": steps, "train_samples": args.train_samples,
                   "speeds": [json.loads(line) for line in Path(args.speeds_from).read_text().splitlines()]
-                  if args.speeds_from else speeds(pair, ("100mbit",) if args.quick else RATES, warmup, steps, args.rank),
+                  if args.speeds_from else speeds(pair, ("100mbit",) if short else RATES,
+                                                  ["lenet"] if args.tiny else list(MODELS), warmup, steps, args.rank),
                   "speeds_measured": "earlier, in the run that printed them" if args.speeds_from else "in this run"}
         after = (3 * (args.train_samples or 60000) // 64) // 10  # ~10% of the steps sent whole first
-        report["accuracy"] = [] if args.quick else accuracies(pair, args.rank, after, args.train_samples)
-    target = Path(args.report) if args.report else ROOT / "results" / machine_slug(report["machine"]) / "thin_link"
-    write_result(target.with_suffix(".md"), report, markdown(report))
+        report["accuracy"] = [] if short else accuracies(pair, args.rank, after, args.train_samples)
+    harness.write(harness.out_of(args, RESULT), report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ the sweep's own measurements. Reported: the tuned choice against the sweep's bes
 tuner's wall time against ONE pass of the sweep (what an exhaustive search costs; the rounds
 only steady the medians), with the time of all rounds beside it.
 
-    python benchmarks/tune_check.py [--rounds 2] [--out results/tune]
+    python benchmarks/tune_check.py [--rounds 2]
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -20,13 +19,14 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from sn_trainer import Trainer, tune
+from sn_trainer import Trainer, tuner
 from sn_trainer.engine.runtime import available_allocators, available_openmps
 from sn_trainer.engine.topology import read_topology
 from sn_trainer.models import build_model
-from sn_trainer.engine.machine import describe_machine
-from sn_trainer.report.results import write_result
 
+import harness
+
+RESULT = "tune"
 CASES = [("lenet", (1, 28, 28), 128), ("cifar10_quick", (3, 32, 32), 200)]
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
@@ -46,19 +46,22 @@ def sweep_point(name, shape, batch, workers, threads, allocator, openmp, steps, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--out", default="results/tune")
     args = parser.parse_args()
     cores = read_topology().physical_cores
     allocators, openmps = available_allocators(), available_openmps()
-    report = {"machine": describe_machine(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-              "allocators": allocators, "openmps": openmps, "cases": [],
-              "command": f"python benchmarks/tune_check.py --rounds {args.rounds}"}
-    for name, shape, batch in CASES:
-        grid = [(w, t, a, o) for w, t in tune.candidates(cores, batch) for a in allocators for o in openmps]
+    cases, tuning = CASES, {}  # the tuner as it ships
+    if args.tiny:  # LeNet at a batch of 8, the default runtime only, the tuner's measurements as short as it takes
+        args.rounds, args.steps, args.warmup = 1, 2, 1
+        allocators, openmps, cases = ["system"], ["gnu"], [("lenet", (1, 28, 28), 8)]
+        tuning = dict(steps=2, warmup=1, window_s=0.0, top=1, allocators=allocators, openmps=openmps)
+    report = {"machine": harness.describe(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+              "allocators": allocators, "openmps": openmps, "cases": [], "command": harness.command()}
+    for name, shape, batch in cases:
+        grid = [(w, t, a, o) for w, t in tuner.candidates(cores, batch) for a in allocators for o in openmps]
         samples: dict[tuple, list[float]] = {point: [] for point in grid}
         sweep_seconds = 0.0
         tuned = None
@@ -71,7 +74,7 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as cache:
                     os.environ["XDG_CACHE_HOME"] = cache
                     model, data = model_and_data(name, shape)
-                    tuned = Trainer(batch_size=batch).tune(model, data, optimizer=SGD)
+                    tuned = Trainer(batch_size=batch).tune(model, data, optimizer=SGD, **tuning)
                     del os.environ["XDG_CACHE_HOME"]
         medians = {point: statistics.median(v) for point, v in samples.items()}
         best = max(medians, key=medians.get)
@@ -89,13 +92,13 @@ def main() -> None:
         print(f"{name} b{batch}: sweep best {best} {medians[best]:.0f}/s; tuned {choice} {medians[choice]:.0f}/s "
               f"({row['tuned_over_best']:.2f}x) in {tuned.seconds:.0f} s against {row['sweep_pass_seconds']:.0f} s "
               f"for one pass of the sweep ({row['tuner_over_one_pass']:.2f})", flush=True)
-    write_result(args.out, report, markdown(report))
+    harness.write(harness.out_of(args, RESULT), report, markdown(report))
 
 
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# The tuner against an exhaustive sweep", "",
-             f"Machine: {m['cpu_model']}, {m['physical_cores']} physical cores, torch {m['torch']}. "
+             f"{harness.machine_line(m)} "
              f"`{report['command']}`: every point of workers x threads x allocator ({', '.join(report['allocators'])}) "
              f"x OpenMP ({', '.join(report['openmps'])}), "
              f"{report['rounds']} alternating rounds of {report['steps']} steps after {report['warmup']}, medians; "

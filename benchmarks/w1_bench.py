@@ -13,12 +13,10 @@ Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``,
 batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
 the warm-up, medians over rounds.
 
-    python benchmarks/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] --out results/<machine>/w1_bench
+    python benchmarks/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5]
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import os
 import statistics
 import time
@@ -30,10 +28,11 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequen
 from torch.utils.data import Dataset, RandomSampler, TensorDataset
 
 from sn_trainer import Trainer
-from sn_trainer.engine.machine import describe_machine
 from sn_trainer.models import build_model
-from sn_trainer.report.results import write_result
 
+import harness
+
+RESULT = "w1_bench"
 VOCAB, CLASSES = 1000, 10
 
 
@@ -105,13 +104,15 @@ def image_step(model, batch):
     return F.cross_entropy(model(images), labels)
 
 
-def cases():
+def cases(tiny: bool = False):
+    """label -> (model builder, dataset, collate_fn, step_fn, global batch); a tiny run's at a batch of 8."""
     torch.manual_seed(0)
-    images = TensorDataset(torch.randn(4096, 1, 28, 28), torch.randint(0, 10, (4096,)))
-    sequences = Sequences()
-    return {"lstm b128": (PackedLSTM, sequences, pad, lstm_step, 128),
-            "lstm b128 packed": (LSTMOverPacked, sequences, pack, packed_step, 128),
-            "lenet b64": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, 64)}
+    samples, lstm, lenet = (512, 8, 8) if tiny else (4096, 128, 64)
+    images = TensorDataset(torch.randn(samples, 1, 28, 28), torch.randint(0, 10, (samples,)))
+    sequences = Sequences(2 * samples)
+    return {f"lstm b{lstm}": (PackedLSTM, sequences, pad, lstm_step, lstm),
+            f"lstm b{lstm} packed": (LSTMOverPacked, sequences, pack, packed_step, lstm),
+            f"lenet b{lenet}": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, lenet)}
 
 
 def plain(build, data, collate, step, batch, steps, warmup) -> float:
@@ -142,17 +143,18 @@ def trainer(build, data, collate, step, batch, steps, warmup, threads) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.options(__doc__, RESULT)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.tiny:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
-    chosen = {k: v for k, v in cases().items() if k in args.cases.split(",")}
+    chosen = cases(tiny=True) if args.tiny else {k: v for k, v in cases().items() if k in args.cases.split(",")}
     rows: dict[str, dict[str, list[float]]] = {k: {"plain": [], "sn": []} for k in chosen}
     for round_index in range(args.rounds):
         for label, (build, data, collate, step, batch) in chosen.items():
@@ -161,21 +163,21 @@ def main() -> None:
                                              args.threads))
             print(f"round {round_index + 1} {label}: plain {rows[label]['plain'][-1]:.0f}, "
                   f"sn_trainer {rows[label]['sn'][-1]:.0f} samples/s", flush=True)
-    machine = describe_machine()
+    machine = harness.describe()
     lines = ["# One worker against plain PyTorch", "",
-             f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores, torch {machine['torch']}. "
-             f"`python benchmarks/w1_bench.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-             f"--threads {args.threads}`: {args.threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
+             f"{harness.machine_line(machine)} `{harness.command()}`: {args.rounds} rounds of {args.steps} steps after "
+             f"{args.warmup}, {args.threads} intra-op thread(s) each, SGD momentum 0.9, the same global "
              f"batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
              f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"
              + (" (other processes were running)." if load > 0.5 else "."), "",
              "| case | plain PyTorch | sn_trainer, W=1 | sn / plain |", "|---|---:|---:|---:|"]
     for label, row in rows.items():
         p, s = statistics.median(row["plain"]), statistics.median(row["sn"])
-        lines.append(f"| {label} | {p:.0f} [{min(row['plain']):.0f}-{max(row['plain']):.0f}] | {s:.0f} "
-                     f"[{min(row['sn']):.0f}-{max(row['sn']):.0f}] | {s / p:.2f} |")
-    write_result(args.out, {"machine": machine, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-                            "threads": args.threads, "rows": rows, "load_average": load}, "\n".join(lines))
+        lines.append(f"| {label} | {harness.spread(row['plain'])} | {harness.spread(row['sn'])} | {s / p:.2f} |")
+    harness.write(harness.out_of(args, RESULT),
+                  {"machine": machine, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+                   "threads": args.threads, "rows": rows, "load_average": load, "command": harness.command()},
+                  "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The examples in examples/ run as their users run them, at a tiny size."""
-import json
-import os
+"""The examples in examples/ run as their users run them, at a tiny size. (ddp_train.py runs in
+test_benchmarks.py, under torchrun and sn_trainer.launch, as ddp_bench.py's tiny run launches it;
+slurm_torchrun.sbatch in test_ecosystem.py and test_elastic.py.)"""
 import re
 import subprocess
 import sys
@@ -62,12 +62,3 @@ def test_simclr_with_activation_checkpointing_on_fashion_mnist():
     assert 0 < first < 4.2 and 0 < last < 4.2  # ln(63 other embeddings) = 4.14 for an encoder that tells none apart
     assert 0.1 < accuracy <= 1  # ten classes
 
-
-def test_a_plain_ddp_script_under_the_launcher_over_sn():
-    proc = subprocess.run([sys.executable, "-m", "sn_trainer.launch", "--nproc-per-node=2", str(EXAMPLES / "ddp_train.py"),
-                           "--backend", "sn", "--batch", "8", "--steps", "2", "--warmup", "1"], capture_output=True,
-                          text=True, timeout=280, cwd=EXAMPLES.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rank0 = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert rank0["world"] == 2 and rank0["samples_per_sec"] > 0
-    assert len(rank0["affinity"]) < len(os.sched_getaffinity(0))  # the launcher pinned the rank to cores of its own
