@@ -449,7 +449,8 @@ def main() -> None:
         cases = [Case("lenet", 8, "fp32", True)]
     # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).
     runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32"}
-    # A tiny run launches each peer with one runtime of the six: the last, which changes both libraries.
+    # A tiny run launches each peer with one of those runtimes, the last (tcmalloc with Intel's OpenMP, where both
+    # are installed: the one that preloads two libraries).
     launches = (*ALLOCATED, *WITH_INTEL_OPENMP)[-1:] if args.tiny else None
 
     samples: dict[tuple[str, str], list[float]] = {}
