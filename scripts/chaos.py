@@ -5,7 +5,7 @@ restarts and a worker timeout, as an operator would run it. At a random step one
 a worker SIGKILLed or SIGSTOPped, SIGTERM to the whole process group, SIGINT to the launcher,
 the newest checkpoint truncated, the checkpoint directory full (a small tmpfs), a worker that
 raises, a second run started in the same folder, an evaluation that fails, an MLflow tracking
-server that goes away (scripts/tracking_stub.py, a stand-in that drops every call). Every job evaluates
+server that goes away (tests/tracking_stub.py, a stand-in that drops every call). Every job evaluates
 every few steps and keeps stateful callbacks (BestCheckpoint, and one that keeps the steps it was
 told of): a restart or a resume must go on from their checkpointed state. Whether a fault really
 struck is read from what the job said (its exit codes and log), not assumed. The job is resumed
@@ -42,7 +42,8 @@ from torch import nn  # noqa: E402
 
 from sn_trainer import Callback  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The tests' stand-in tracking server (test_mlflow_down.py uses it too): one copy of it, kept with them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tracking_stub import TrackingStub  # noqa: E402
 
 FAULTS = ("kill_worker", "stop_worker", "term_group", "int_launcher", "truncate_checkpoint", "full_disk",

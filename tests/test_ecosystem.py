@@ -132,12 +132,12 @@ def test_the_slurm_preset_asks_for_whole_nodes(tmp_path, monkeypatch):
 
 
 def test_the_multinode_sbatch_script_starts_one_torchrun_per_node_meeting_on_the_first(tmp_path):
-    """scripts/slurm_torchrun.sbatch under Slurm's variables: srun starts torchrun with the c10d
+    """examples/slurm_torchrun.sbatch under Slurm's variables: srun starts torchrun with the c10d
     rendezvous test_multinode.py runs for real (two torchruns on one machine)."""
     log = tmp_path / "calls"
     env = {**os.environ, **fake_slurm_commands(tmp_path / "bin"), "SLURM_FAKE_LOG": str(log),
            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_torchrun.sbatch"), "workers=16", "batch_size=512"],
+    done = subprocess.run(["bash", str(ROOT / "examples" / "slurm_torchrun.sbatch"), "workers=16", "batch_size=512"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert log.read_text().split() == [

@@ -298,7 +298,7 @@ def test_nodes_with_another_compression_are_refused_naming_it():
 
 
 def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path):
-    """scripts/slurm_torchrun.sbatch with SN_MIN_NODES, under Slurm's variables and a stand-in
+    """examples/slurm_torchrun.sbatch with SN_MIN_NODES, under Slurm's variables and a stand-in
     srun that notes its arguments and the store setting torchrun's agents get."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
@@ -308,7 +308,7 @@ def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_FAKE_LOG": str(log),
            "SLURM_JOB_NODELIST": "node[07-09]", "SLURM_NNODES": "3", "SLURM_JOB_ID": "4242", "SN_MIN_NODES": "2"}
-    script = Path(__file__).parents[1] / "scripts" / "slurm_torchrun.sbatch"
+    script = Path(__file__).parents[1] / "examples" / "slurm_torchrun.sbatch"
     done = subprocess.run(["bash", str(script), "workers=16"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert log.read_text().split() == [

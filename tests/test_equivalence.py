@@ -80,8 +80,8 @@ def test_channels_last_matches_and_hands_back_a_contiguous_model():
 # float32: summation order differs between one process and W workers, so results differ by
 # rounding. The tolerance is measured in the test itself: plain PyTorch in float32 against the
 # same loop in float64 is how far float32 rounding alone moves the parameters; sn_trainer in
-# float32 must stay within 4x that, per tensor. scripts/fp32_baseline.py (results/*/fp32_baseline.md)
-# measured at most 1.6x for SGD and AdamW, and plain PyTorch itself with 2 threads instead of 1
+# float32 must stay within 4x that, per tensor. results/amd-epyc-2c/fp32_baseline.md (a script since
+# retired; the file names its commit) measured at most 1.6x for SGD and AdamW, and plain PyTorch itself with 2 threads instead of 1
 # up to 1.9x. Adam and RMSprop are tested in float64 only: they turn rounding noise in a
 # near-zero gradient into a full step (RMSprop reached 7.3x), so no fp32 tolerance is both tight
 # and portable.

@@ -1,4 +1,6 @@
-"""The examples in scripts/examples/ run as their users run them, at a tiny size."""
+"""The examples in examples/ run as their users run them, at a tiny size. (ddp_train.py runs in
+test_benchmarks.py, under torchrun and sn_trainer.launch, as ddp_bench.py's tiny run launches it;
+slurm_torchrun.sbatch in test_ecosystem.py and test_elastic.py.)"""
 import re
 import subprocess
 import sys
@@ -7,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
-EXAMPLES = Path(__file__).resolve().parents[1] / "scripts" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TEXT = "/usr/share/common-licenses/GPL-3"  # on every Debian machine
 
 
@@ -59,3 +61,4 @@ def test_simclr_with_activation_checkpointing_on_fashion_mnist():
     first, last, accuracy = map(float, found.groups())
     assert 0 < first < 4.2 and 0 < last < 4.2  # ln(63 other embeddings) = 4.14 for an encoder that tells none apart
     assert 0.1 < accuracy <= 1  # ten classes
+

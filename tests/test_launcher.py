@@ -316,7 +316,7 @@ dist.destroy_process_group()
 """
 
 
-STARTS = 8  # at one abort in four starts before, 8 clean ones had a 1 in 10 chance; 50 in scripts/launch_starts.py
+STARTS = 8  # at one abort in four starts before, 8 clean ones had a 1 in 10 chance; 50 in benchmarks/launch_starts.py
 
 
 @pytest.mark.timeout(600)

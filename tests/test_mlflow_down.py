@@ -3,7 +3,6 @@ cannot be written is said once, in one warning line, and the run trains on untra
 checkpoints, summary.json and weights, and exits 0."""
 import json
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -11,9 +10,7 @@ from pathlib import Path
 import pytest
 
 from test_cli import TINY, sn_train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from tracking_stub import TrackingStub  # noqa: E402 - a stand-in server that can go away, shared with chaos.py
+from tracking_stub import TrackingStub  # a stand-in server that can go away, shared with scripts/chaos.py
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""scripts/examples/word_lm.py carries its LSTM's hidden state across batches as pytorch/examples'
+"""examples/word_lm.py carries its LSTM's hidden state across batches as pytorch/examples'
 word_language_model does, exactly at W=1 and 2 against that loop in float64, and a resume from a
 checkpoint mid-epoch goes on from the carried state."""
 import copy
@@ -16,7 +16,7 @@ from sn_trainer import Trainer
 
 pytestmark = pytest.mark.timeout(150)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "examples" / "word_lm.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "word_lm.py"
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # on every Debian machine
 COLUMNS, BPTT, STEPS = 3, 10, 7  # 150 tokens: 50 rows, 5 chunks an epoch (the last of 9): 7 steps cross an epoch
 ADAM = functools.partial(torch.optim.Adam, lr=0.01)

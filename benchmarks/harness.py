@@ -1,0 +1,85 @@
+"""What every benchmark here shares: its command line (--out, --tiny), the command and machine its
+results name, medians with their spread, and the results files.
+
+sn_trainer is imported inside the functions that need it, so that importing this module costs
+nothing to a benchmark that reads no torch (house.py) and to the list run.py prints.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout; results/ lies in it
+
+TINY_HELP = ("every part once at the smallest size, for a smoke run (tests/test_benchmarks.py): the figures "
+             "mean nothing")
+
+
+def options(doc: str, result: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first line, ``--tiny``, and ``--out`` where it writes ``result``
+    (the stem of its results files) by default to results/<machine>/<result>."""
+    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    parser.add_argument("--tiny", action="store_true", help=TINY_HELP)
+    if result is not None:
+        parser.add_argument("--out", default=None,
+                            help=f"the results files' stem: <out>.md and <out>.json (default results/<machine>/{result})")
+    return parser
+
+
+def out_of(args: argparse.Namespace, result: str) -> Path:
+    """Where the results go: ``--out``, else results/<machine>/<result> in the checkout."""
+    return Path(args.out) if args.out else ROOT / "results" / machine_folder() / result
+
+
+def machine_folder() -> str:
+    """results/'s folder for this machine: the CPU, its widest vector instructions and its physical cores
+    (e.g. amd-epyc-avx2-2c), since hosts of one CPU name compute at other speeds with other kernels."""
+    from sn_trainer.engine.node.machine import describe_machine, machine_slug
+
+    machine = describe_machine()
+    isa = "avx512" if "avx512f" in machine["isa"] else "avx2" if "avx2" in machine["isa"] else ""
+    slug, cores = machine_slug(machine), f"-{machine['physical_cores']}c"
+    return slug.replace(cores, f"-{isa}{cores}") if isa else slug
+
+
+def describe() -> dict:
+    """The machine, as every results file records it (no host name, no user, no paths)."""
+    from sn_trainer.engine.node.machine import describe_machine
+
+    return describe_machine()
+
+
+def machine_line(machine: dict, memory: bool = False) -> str:
+    """The sentence that opens a results file's description: CPU, cores, instruction sets (memory), torch."""
+    isa = f" ({', '.join(machine['isa'])})" if machine["isa"] else ""
+    gib = f", {machine['memory_gib']} GiB" if memory else ""
+    return f"Machine: {machine['cpu_model']}, {machine['physical_cores']} physical cores{isa}{gib}, torch {machine['torch']}."
+
+
+def command(hidden: dict[str, str] | None = None) -> str:
+    """The command this process runs, as the results file gives it to reproduce: ``--out`` left out (where
+    the files went is not how they were made), each value in ``hidden`` replaced by its placeholder (a
+    checkout's path by ``<base checkout>``): a results file names no path of the machine it ran on."""
+    args, words = sys.argv[1:], []
+    while args:
+        word = args.pop(0)
+        if word == "--out":
+            args = args[1:]
+        elif not word.startswith("--out="):
+            words.append((hidden or {}).get(word, word))
+    return shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *words])
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    """``median [min-max]`` of a measurement's rounds."""
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def write(out: Path | str, report: dict, markdown: str) -> None:
+    """``<out>.json`` with every figure and ``<out>.md`` with the table, printed too."""
+    from sn_trainer.report.results import write_result
+
+    write_result(out, report, markdown)

@@ -1,0 +1,153 @@
+"""The benchmarks keep working: benchmarks/run.py lists every one and runs each at a tiny size to its
+results files, which name the command and no path of this machine; and what the benchmarks compute
+beside measuring (case labels, launches, the best-launch table, a busy machine's warning) holds."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench  # noqa: E402
+import ddp_bench  # noqa: E402
+import harness  # noqa: E402
+
+
+def _runner():
+    """benchmarks/run.py, imported under a name of its own (``run`` says nothing in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _runner()
+NAMES = [b.name for b in runner.benchmarks()]
+
+
+def test_the_entry_point_lists_every_benchmark_with_what_it_measures_and_writes():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    scripts = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    assert sorted(NAMES) == sorted(set(scripts) - {"harness", "run"})
+    listed = [line for line in proc.stdout.splitlines() if not line.startswith(" ")]
+    assert [line.split(":", 1)[0] for line in listed] == NAMES
+    assert all(len(line.split(": ", 1)[1]) > 20 for line in listed)  # what it measures, in a sentence
+    writes = [line.strip() for line in proc.stdout.splitlines() if line.startswith(" ")]
+    assert len(writes) == len(NAMES) and all(w.startswith("writes ") for w in writes)
+    assert "writes results/<machine>/bench.md and .json" in writes
+
+
+def test_an_unknown_name_is_refused_with_the_list():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), "bench", "benhc"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown benchmark benhc" in proc.stderr and "bench: Side by side" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tmp_path, no_leaks):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), name, "--tiny", "--out-dir", str(tmp_path),
+                           "--timeout", "240"], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = {b.name: b for b in runner.benchmarks()}[name].result
+    if result is None:  # the house prints what it counts
+        assert "Trainer class:" in proc.stdout and "files an extension touches:" in proc.stdout
+        return
+    table = tmp_path.joinpath(f"{result}.md").read_text()
+    assert f"`python benchmarks/{name}.py --tiny`" in table  # how to make it again, --out left out
+    assert str(tmp_path) not in table and "|---" in table
+    if name != "launch_starts":  # which appends tables to its .md only
+        figures = json.loads(tmp_path.joinpath(f"{result}.json").read_text())
+        assert figures["machine"]["physical_cores"] >= 1
+
+
+def test_a_benchmark_over_its_time_is_stopped_with_its_processes(tmp_path, monkeypatch, no_leaks):
+    # A benchmark whose process and its child wait for a signal that never comes.
+    (tmp_path / "stuck.py").write_text("import os, signal\nos.fork()\nsignal.pause()\n")
+    monkeypatch.setattr(runner, "HERE", tmp_path)
+    stuck = runner.Benchmark("stuck", "waits", None, "nothing")
+    assert runner.run_one(stuck, [], None, timeout=3) == "still running after 3 s, stopped"
+
+
+def test_the_command_a_result_names_leaves_out_paths(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "ab_checkouts.py"), "/home/someone/base", "--rounds", "3",
+                                      "--out", "/home/someone/results/x", "--cases=lenet b128"])
+    shown = harness.command({"/home/someone/base": "<base checkout>"})
+    assert shown == "python benchmarks/ab_checkouts.py '<base checkout>' --rounds 3 '--cases=lenet b128'"
+
+
+def test_case_labels_name_precision_and_layout():
+    assert bench.Case("lenet", 64).label == "lenet b64"
+    assert bench.Case("lenet", 64, "fp32", True).label == "lenet b64 cl"
+    assert bench.Case("cifar10_quick", 100, "bf16", True).label == "cifar10_quick b100 bf16+cl"
+
+
+def test_the_best_launch_table_picks_each_variants_fastest_launch():
+    med = {"plain": 100.0, "plain_cpu": 120.0, "ddp": 90.0, "ddp_cpu": 95.0, "ideal": 130.0, "ideal_tcmalloc": 140.0,
+           "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0}
+    runtimes = bench._runtimes(med)
+    assert runtimes["best_plain"] == ("plain_cpu", 120.0) and runtimes["best_ideal"] == ("ideal_tcmalloc", 140.0)
+    assert runtimes["best_sn"] == ("sn_jemalloc", 132.0)  # one worker and sync_batchnorm are other rows' figures
+    assert runtimes["sn_over_best_plain"] == pytest.approx(1.1)
+
+
+def test_runtime_launches_are_named_alike_for_every_variant():
+    from sn_trainer.engine.runtime import Runtime
+
+    assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime("system", "gnu")
+    assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc", "gnu")
+    assert bench.runtime_of("sn_jemalloc_intel") == Runtime("jemalloc", "intel")
+    variants = bench.variants_of(bench.Case("lenet", 64, "fp32", True), runtimes=True)
+    assert {"plain_cpu", "ddp_cpu", "ideal_tcmalloc_intel", "sn_tcmalloc_intel", "sn_system_intel"} <= set(variants)
+    launches = {v.split("_", 1)[1] for v in variants if v.startswith("sn_") and v not in ("sn_sync", "sn_1worker")}
+    for peer in ("plain", "ideal"):  # the same launches as sn_trainer's, each of them
+        assert {f"{peer}_{launch}" for launch in launches} <= set(variants)
+    tiny = bench.variants_of(bench.Case("lenet", 8, "fp32", True), runtimes=True, launches=("tcmalloc_intel",))
+    assert set(tiny) - set(bench.VARIANTS) == {"plain_cpu", "ddp_cpu", "plain_tcmalloc_intel", "ideal_tcmalloc_intel",
+                                              "sn_tcmalloc_intel", "sn_1worker"}
+    assert "sn_sync" in bench.variants_of(bench.Case("cifar10_quick_bn", 100))  # the cost of sync_batchnorm: its row
+
+
+def test_memory_counts_a_whole_process_tree():
+    import psutil
+
+    me = psutil.Process()
+    assert bench.tree_pss(me) >= bench.pss_bytes(me.pid) > 0
+
+
+def test_each_ddp_variant_launches_the_same_script_its_own_way():
+    case = ddp_bench.parse_case("lenet b64 cl")
+    assert case == {"label": "lenet b64 cl", "model": "lenet", "batch": 64, "channels_last": True}
+    commands = {v: ddp_bench.launcher_command(v, case, 2, 5, 1, "out.json") for v in ddp_bench.VARIANTS
+                if v != "trainer"}
+    assert {v: c[2] for v, c in commands.items()} == {"torchrun_gloo": "torch.distributed.run",
+                                                      "launch_gloo": "sn_trainer.launch",
+                                                      "launch_sn": "sn_trainer.launch",
+                                                      "launch_sn_unpinned": "sn_trainer.launch"}
+    assert all(str(ddp_bench.TRAIN) in c and "--channels-last" in c for c in commands.values())
+    assert ddp_bench.TRAIN == ROOT / "examples" / "ddp_train.py"
+    assert {c[c.index("--backend") + 1] for c in commands.values()} == {"gloo"}  # the script as it is, every time
+    assert [v for v, c in commands.items() if "--cpu-backend=sn" in c] == ["launch_sn", "launch_sn_unpinned"]
+    assert all(c.index("--cpu-backend=sn") < c.index(str(ddp_bench.TRAIN)) for c in commands.values() if
+               "--cpu-backend=sn" in c)  # the launcher's flag, not the script's
+    assert [v for v, c in commands.items() if "--no-pin" in c] == ["launch_sn_unpinned"]
+
+
+def test_a_busy_machine_is_said_in_the_ddp_table():
+    machine = {"cpu_model": "X", "physical_cores": 2, "isa": ["avx2"], "memory_gib": 1.0, "torch": "2"}
+    rows = {"lenet b64": {v: [100.0, 120.0] for v in ddp_bench.VARIANTS}}
+    report = {"machine": machine, "nproc": 2, "rounds": 2, "steps": 5, "warmup": 1, "command": "c", "rows": rows,
+              "placement": {}, "load": {"wall_seconds": 10, "machine_cpu_seconds": 20, "others_cpu_seconds": 10,
+                                        "others_share": 0.5},
+              "aborted_at_exit": {v: 0 for v in ddp_bench.VARIANTS if v != "trainer"} | {"launch_gloo": 1}}
+    text = ddp_bench.markdown(report)
+    assert text.splitlines()[2].startswith("Machine: X, 2 physical cores (avx2), 1.0 GiB, torch 2. `c`:")
+    assert "other processes used 10 CPU s of the 20" in text and "cannot judge one variant against another" in text
+    assert "| lenet b64 | 110 [100-120] |" in text
+    assert "sn_trainer.launch + gloo 1 of 2" in text and "torchrun + gloo 0 of 2" in text  # an abort at exit is counted, not hidden
