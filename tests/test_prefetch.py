@@ -68,8 +68,8 @@ def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder
                                        test_fraction=0.1))
     model = net()
     reference = plain(copy.deepcopy(model), copy.deepcopy(data.train), batch_size=8, epochs=2, seed=3)
-    result = Trainer(workers=workers, batch_size=8, epochs=2, seed=3).fit(model, data.train, step_fn=step,
-                                                                          optimizer=SGD)
+    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3).fit(model, data.train, step_fn=step,
+                                                                                     optimizer=SGD)
     assert result.plan["prefetch"] is True and result.steps == 8  # 36 training images: 4 steps an epoch
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
@@ -116,7 +116,7 @@ class PlainImageNetRecipe(Dataset):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_images_in_random_resized_crops_train_as_torchvisions_recipe_in_a_plain_loop(png_folder, workers):
     data = load_datasets(DatasetConfig(name="folder", root=str(png_folder), image_size=12, augment="resized_crop",
-                                       crop_size=8, seed=1, test_fraction=0.1))
+                                       crop_size=8, data_seed=1, test_fraction=0.1))
     train, test = data.train, data.test
     plain_train, plain_test = (PlainImageNetRecipe(split.files, split.labels, 8, train.mean[0], train.std[0], seed=1,
                                                    train=split is train) for split in (train, test))
@@ -125,7 +125,8 @@ def test_images_in_random_resized_crops_train_as_torchvisions_recipe_in_a_plain_
         assert torch.equal(test[index][0], plain_test[index][0])
     model = net()
     reference = plain(copy.deepcopy(model), plain_train, batch_size=8, epochs=2, seed=3)
-    result = Trainer(workers=workers, batch_size=8, epochs=2, seed=3).fit(model, train, step_fn=step, optimizer=SGD)
+    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3).fit(model, train, step_fn=step,
+                                                                                     optimizer=SGD)
     assert result.plan["prefetch"] is True  # its draws are the sample's own generator's, never the global ones
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
@@ -182,3 +183,15 @@ def test_data_that_draws_global_random_numbers_is_not_read_ahead(caplog):
     state = torch.get_rng_state()
     Trainer(workers=1, batch_size=8, max_steps=1).fit(model, data, optimizer=SGD)
     assert torch.equal(torch.get_rng_state(), state)  # the launcher's reading leaves the caller's stream alone
+
+
+@pytest.mark.parametrize("threads, draws_random, prefetch, decided", [
+    (1, False, "auto", True), (2, False, "auto", False),  # several threads fill a worker's cores: inline
+    (1, True, "auto", False), (2, False, True, True), (1, False, False, False)])
+def test_prefetch_auto_reads_ahead_beside_one_thread_that_draws_nothing_global(threads, draws_random, prefetch,
+                                                                               decided):
+    from sn_trainer.config import TrainerConfig
+    from sn_trainer.fit.decide import for_reading
+
+    settings = TrainerConfig(workers=1, threads=threads, prefetch=prefetch)
+    assert for_reading(settings, draws_random).prefetch is decided

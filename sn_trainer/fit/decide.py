@@ -138,7 +138,7 @@ def _compile(settings: TrainerConfig, model: nn.Module) -> bool:
 def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
     """The settings with prefetch decided: prefetch=auto reads ahead where reading the training set
     draws no global random numbers (a thread drawing them beside the model's dropout would change
-    which numbers each gets).
+    which numbers each gets) and each worker computes on one thread.
 
     Raises:
         ConfigError: prefetch=true for data that draws from the global generators.
@@ -148,10 +148,19 @@ def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
                           "random generator (augmentation): read ahead in a thread, its draws would interleave "
                           "with the model's; draw from a generator of the dataset's own, e.g. torch.Generator()"
                           ".manual_seed(hash((seed, epoch, index))) with set_epoch(epoch), or set prefetch=auto")
-    if draws_random and settings.prefetch == "auto":
+    if settings.prefetch != "auto":
+        return settings
+    if draws_random:
         log.info("prefetch=auto: off, as reading train_set draws global random numbers (augmentation); a "
                  "dataset that draws from generators of its own is read ahead")
-    return dataclasses.replace(settings, prefetch=bool(settings.prefetch) and not draws_random)
+        return dataclasses.replace(settings, prefetch=False)
+    if settings.threads > 1:
+        # The reading thread's copies and stacks would run on the cores the step's threads already
+        # fill, and slow the step more than reading ahead saves (benchmarks/w1_bench.py, LeNet).
+        log.info("prefetch=auto: off, as each worker's %d intra-op threads fill its cores; prefetch=true reads "
+                 "ahead on them anyway", settings.threads)
+        return dataclasses.replace(settings, prefetch=False)
+    return dataclasses.replace(settings, prefetch=True)
 
 
 def for_optimizers(settings: TrainerConfig, optimizer_classes: list[type | None]) -> TrainerConfig:
