@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.node.runtime import Runtime
-from ..engine.node.topology import Topology, auto_workers, plan_pinning
+from ..engine.node.topology import Topology, auto_threads, auto_workers, plan_pinning
 from ..errors import ConfigError
 from . import child
 
@@ -62,7 +62,7 @@ def resolve_threads(requested: int | None, nproc: str, topology: Topology, envir
         return requested
     if nproc == "auto":
         return 1
-    return max(1, topology.usable_cores // local_world_size(nproc))
+    return auto_threads(topology, local_world_size(nproc))
 
 
 def local_world_size(nproc: str) -> int:
