@@ -4,8 +4,10 @@ Each image is seen in two random crops (and flips); a small conv encoder, whose 
 recomputed in the backward pass (``torch.utils.checkpoint``) rather than kept, and a projection
 head map each crop to an embedding. NT-Xent compares every embedding with every other of the
 batch, so the step gathers the embeddings of all workers' slices (``sn_trainer.gather``) and
-computes the loss over the global batch, as one process would. The encoder is then judged
-without labels in training: each test image takes the class of its nearest training image.
+computes the loss over the global batch, as one process would; the crops are drawn in the step,
+each worker from its own random stream, so the run is like DDP in them (and says so). The encoder
+is then judged without labels in training: each test image takes the class of its nearest
+training image.
 
     python examples/simclr.py [--epochs 2] [--workers auto]
 """

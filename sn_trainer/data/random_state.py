@@ -8,6 +8,7 @@ tensors and plain data.
 from __future__ import annotations
 
 import random
+import sys
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,3 +58,43 @@ def kept():
     finally:
         after.append(capture())
         restore(before)
+
+
+@contextmanager
+def setting_watched():
+    """Run a block and yield a function that says whether it set the state of any of the three
+    streams in this thread: seeded one (``torch.manual_seed``, ``np.random.seed``, ``random.seed``)
+    or put a state back (``set_rng_state``, ``set_state``, ``setstate``), as a dataset that seeds
+    each sample's draws does. Such a block leaves the streams as they were, and still may not run
+    beside another thread's draws: what it sets is the process's, shared by every thread."""
+    torch_global = torch.default_generator
+    python_setters = {random.Random.seed.__code__, random.Random.setstate.__code__}
+    found: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__self__", None) is torch_global and \
+                arg.__name__ in ("manual_seed", "set_state", "seed"):
+            found.append(arg.__name__)
+        elif event == "call" and frame.f_code in python_setters and frame.f_locals.get("self") is random._inst:
+            found.append(frame.f_code.co_name)
+
+    def recorded(name: str):  # numpy's are Cython functions, which a profile function never sees called
+        original = getattr(np.random, name)
+
+        def call(*args, **kwargs):
+            found.append(name)
+            return original(*args, **kwargs)
+
+        return original, call
+
+    numpy_setters = {name: recorded(name) for name in ("seed", "set_state")}
+    for name, (_, call) in numpy_setters.items():
+        setattr(np.random, name, call)
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield lambda: bool(found)
+    finally:
+        sys.setprofile(previous)
+        for name, (original, _) in numpy_setters.items():
+            setattr(np.random, name, original)

@@ -135,10 +135,11 @@ def _compile(settings: TrainerConfig, model: nn.Module) -> bool:
     return rates["compiled"] > rates["eager"]
 
 
-def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
+def for_reading(settings: TrainerConfig, draws_random: bool, sets_generators: bool = False) -> TrainerConfig:
     """The settings with prefetch decided: prefetch=auto reads ahead where reading the training set
-    draws no global random numbers (a thread drawing them beside the model's dropout would change
-    which numbers each gets) and each worker computes on one thread.
+    touches no global random generator (a thread drawing from them, or seeding them for each sample
+    and putting them back, beside the model's dropout would change which numbers each gets, and
+    rewind the model's stream) and each worker computes on one thread.
 
     Raises:
         ConfigError: prefetch=true for data that draws from the global generators.
@@ -148,6 +149,14 @@ def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
                           "random generator (augmentation): read ahead in a thread, its draws would interleave "
                           "with the model's; draw from a generator of the dataset's own, e.g. torch.Generator()"
                           ".manual_seed(hash((seed, epoch, index))) with set_epoch(epoch), or set prefetch=auto")
+    if sets_generators and settings.prefetch is not False:
+        # The reading thread's seeds would be set, and its restores put back, while the step's own
+        # thread draws from the same generators: read where the step runs, before it.
+        (log.warning if settings.prefetch is True else log.info)(
+            "prefetch=%s: reading inline, as reading train_set seeds the global random generators for each sample "
+            "(sn_trainer.data.SeededPerSample, or a dataset of its own kind): in a reading thread, its seeds and "
+            "restores would land between the step's own draws", settings.prefetch)
+        return dataclasses.replace(settings, prefetch=False)
     if settings.prefetch != "auto":
         return settings
     if draws_random:
@@ -163,13 +172,24 @@ def for_reading(settings: TrainerConfig, draws_random: bool) -> TrainerConfig:
     return dataclasses.replace(settings, prefetch=True)
 
 
-def for_optimizers(settings: TrainerConfig, optimizer_classes: list[type | None]) -> TrainerConfig:
+def for_optimizers(settings: TrainerConfig, optimizer_classes: list[type | None]
+                   ) -> tuple[TrainerConfig, tuple[str, ...]]:
     """The settings with shards decided: shards=auto takes the kind every phase's optimizer is
-    proven exact with (``optim.shard_kind``), the most general of them.
+    proven exact with (``optim.shard_kind``), the most general of them. A kind set by hand that
+    tests have not proven for an optimizer is kept, and said: the reasons are returned (the run
+    verifies it, and says what it finds rather than stopping).
 
     Raises:
         ConfigError: an optimizer sn_trainer cannot run.
     """
     kind = max((shard_kind(c, settings.shards) for c in optimizer_classes), key=SHARD_KINDS.index,
                default="elements")
-    return dataclasses.replace(settings, shards=kind)
+    unproven = []
+    for cls in {c for c in optimizer_classes if c is not None}:
+        proven = shard_kind(cls, "auto")
+        if SHARD_KINDS.index(kind) < SHARD_KINDS.index(proven):
+            unproven.append(f"shards={kind} was set for {cls.__name__}, which tests prove exact with shards={proven}")
+    for reason in unproven:
+        log.warning("%s: each worker steps its shard of it as set; steps are compared with one process's, and an "
+                    "update that differs is said, not stopped", reason)
+    return dataclasses.replace(settings, shards=kind), tuple(sorted(unproven))

@@ -32,11 +32,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 from ..data import random_state
 from ..engine.memory.layout import trainable_parameters
@@ -44,9 +47,14 @@ from ..engine.step.gather import Gathering, gathering
 from ..engine.step.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS,
                                     SHIFTED_TOKENS_FROM_LOGITS, SUM, TOKENS, TOKENS_FROM_LOGITS, Objective, Precision,
                                     kept_labels, model_outputs, output_loss, token_cross_entropy)
-from ..engine.step.split_check import COUPLED_ADVICE, measuring, tolerance as rounding
 
 FP32 = Precision("fp32")  # the form is arithmetic: measured without autocast
+# What to do about a loss whose samples interact.
+COUPLED_ADVICE = ("Its samples interact, so no (loss_sum, count) of a slice makes it exact: for a contrastive loss, "
+                  "gather the global batch inside step_fn (sn_trainer.gather(embeddings)) and compute the loss over "
+                  "it; for a loss normalised inside the model (a detector's sampled proposals), pass "
+                  "split=\"like_ddp\" to weigh each worker's loss as DDP does (each worker's mean, averaged over the "
+                  "workers: like DDP, not exact); or train with workers=1 and accumulate=1")
 
 
 # What a refusal advises, by what the probe found (resolve.py words the refusal around it).
@@ -63,6 +71,26 @@ RANDOM_ADVICE = ("Where each sample's loss is its own (noise drawn per sample), 
 STATE_ADVICE = ("Return (loss_sum, count) from a step_fn instead (nothing is measured then), e.g. (loss * n, n) for a "
                 "per-sample mean of n samples; or keep the state out of the model (pass it in with the batch); or "
                 "train with workers=1 and accumulate=1")
+
+
+def rounding(dtype: torch.dtype) -> float:
+    """How far apart, relative, a batch's loss and its parts' may be: rounding, not a form."""
+    return min(1e-2, max(1e-6, 1000 * torch.finfo(dtype).eps))
+
+
+@contextmanager
+def measuring(model: nn.Module, whole_eval: bool = False):
+    """The model in the modes its loss is measured in: as it is with dropout and batch norm in
+    eval, or wholly in eval; every module's mode as it was afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    for m in model.modules():
+        if whole_eval or isinstance(m, (_DropoutNd, _BatchNorm)):
+            m.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 @dataclass(frozen=True)
@@ -110,9 +138,9 @@ def _measure(objective: Objective, model: nn.Module, group: Any, singles: list[A
     with torch.no_grad(), random_state.kept(), gathering(Gathering()) as seen:  # only its kind matters here
         first = objective.loss_value(model, fresh(group), FP32, dtype)
     if seen.calls:
-        return _gathered(first, objective)
+        return _gathered(first, objective, _draws(objective, model, group, dtype, gathers=True))
     if isinstance(first, (tuple, list)):  # its form is given; whether it draws random numbers is not
-        return Finding(COUNTED, "(loss_sum, count) given", draws=_pair_draws(objective, model, group, dtype))
+        return Finding(COUNTED, "(loss_sum, count) given", draws=_draws(objective, model, group, dtype))
     if objective.model_loss and isinstance(group, Mapping) and "labels" in group:
         form = _token_form(model, group, dtype)
         if form is not None:
@@ -169,19 +197,26 @@ def fresh(batch: Any) -> Any:
         return batch
 
 
-def _pair_draws(objective: Objective, model: nn.Module, group: Any, dtype: torch.dtype) -> str:
-    """What random draws a step that returns ``(loss_sum, count)`` makes ("": its sum is the same
-    under other seeds): Mixup or noise in the step, each worker from its own streams."""
-    def loss_sum(seed: int) -> torch.Tensor:
-        with torch.no_grad(), random_state.kept():
+def _draws(objective: Objective, model: nn.Module, group: Any, dtype: torch.dtype, gathers: bool = False) -> str:
+    """What random draws a step makes whose form is given ((loss_sum, count)) or gathered ("": its
+    loss and gradient are the same under other seeds): Mixup, noise or augmentation in the step,
+    each worker from its own streams."""
+    params = [p for _, p in trainable_parameters(model)]
+
+    def vector(seed: int) -> torch.Tensor:
+        with random_state.kept(), gathering(Gathering()):
             random_state.seed(seed)
             value = objective.loss_value(model, fresh(group), FP32, dtype)
-        return torch.as_tensor(value[0]).detach().double().reshape(1)
+        loss = torch.as_tensor(value[0] if isinstance(value, (tuple, list)) else value).reshape(())
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else [None] * len(params)
+        return torch.cat([loss.detach().double().reshape(1)] +
+                         [(g if g is not None else torch.zeros_like(p)).detach().double().reshape(-1)
+                          for g, p in zip(grads, params)])
 
-    tolerance, first = rounding(dtype), loss_sum(0)
-    if _off(loss_sum(0), first) <= tolerance < _off(loss_sum(1), first):
-        return (f"{objective.what} draws random numbers (its (loss_sum, count) differs under other seeds: Mixup, "
-                "noise)")
+    tolerance, first = rounding(dtype), vector(0)
+    if _off(vector(0), first) <= tolerance < _off(vector(1), first):
+        what = "its loss over the gathered batch" if gathers else "its (loss_sum, count)"
+        return f"{objective.what} draws random numbers ({what} differs under other seeds: Mixup, noise, augmentation)"
     return ""
 
 
@@ -223,10 +258,10 @@ def _holds_ignored(batch: Any) -> bool:
     return False
 
 
-def _gathered(value: Any, objective: Objective) -> Finding:
+def _gathered(value: Any, objective: Objective, draws: str) -> Finding:
     """A step that calls sn_trainer.gather: its scalar, or its (loss_sum, count) (``loss_sum /
-    count``), is the loss over the global batch."""
-    return Finding(GATHERED, f"{objective.what} calls sn_trainer.gather: a loss over the global batch")
+    count``), is the loss over the global batch; ``draws``: the random draws it makes."""
+    return Finding(GATHERED, f"{objective.what} calls sn_trainer.gather: a loss over the global batch", draws=draws)
 
 
 def _off(found: torch.Tensor, expected: torch.Tensor) -> float:

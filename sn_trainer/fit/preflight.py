@@ -10,6 +10,7 @@ the user's code needs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class PhaseFindings:
     loss: loss_probe.Finding = loss_probe.Finding(MEAN)  # how the loss splits over samples
     optimizer_state_keys: tuple[str, ...] = ()  # what the optimizer keeps per parameter after a step
     schedule_monitor: str | None = None  # the evaluation metric the scheduler steps on, if any
+    changed_buffers: tuple[str, ...] = ()  # buffers the training step's forward changed (written or replaced)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Rehearsal:
     data_draws_random: bool = False  # reading a training slice moved torch's, numpy's or random's global generator
     splits: bool = True  # the run splits a step's batch (workers or accumulate): how the loss splits matters
     probe_unit: int = 1  # samples in each of probe_singles (a worker's micro-batch, with a collate_fn of the user's)
+    data_sets_generators: bool = False  # reading a training slice seeded (or restored) a global generator
 
 
 def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluation: Source | None,
@@ -81,8 +84,9 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
             splits: bool = True) -> Rehearsal:
     """Read one training slice of ``train_samples`` from the ``train`` source, one evaluation slice
     of ``eval_samples``, and the samples the loss's form is measured on (each collated as the
-    workers will). Whether reading the training slice draws from the global random generators is
-    measured (``Rehearsal.data_draws_random``), and the generators are left as they were.
+    workers will). Whether reading the training slice draws from the global random generators
+    (``Rehearsal.data_draws_random``) or sets their state (``data_sets_generators``: a dataset that
+    seeds each sample's draws) is measured, and the generators are left as they were.
 
     Raises:
         UserCodeError: a dataset failed to give them.
@@ -91,11 +95,12 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         eval_batch = attempt("reading an evaluation batch",
                               lambda: next(evaluation.eval_chunks(0, 1, eval_samples, 1))[0]) \
             if evaluation is not None else None
-        draws, batch = False, None
+        draws = seeds = False
+        batch = None
         if train is not None:
-            with random_state.kept() as moved:
+            with random_state.kept() as moved, random_state.setting_watched() as seeded:
                 batch = attempt("reading a training batch", lambda: train.first(train_samples))
-            draws = moved()
+            draws, seeds = moved(), seeded()
         probed = train if train is not None else evaluation
         # A collate_fn of the user's is called only with what a worker gets (never one sample: a
         # Mixup collate asserts an even batch); the loss probe compares parts of that size.
@@ -106,7 +111,7 @@ def prepare(model: nn.Module, train: Source | None, train_samples: int, evaluati
         group, singles = attempt("reading samples", lambda: probed.probe(max(PROBE_SAMPLES, 2 * unit), unit)
                                   if unit > 1 else probed.probe(PROBE_SAMPLES))
     return Rehearsal(model, batch, train_samples, eval_batch, eval_samples, objective, phases, settings, group,
-                     singles, draws, splits, unit)
+                     singles, draws, splits, unit, seeds)
 
 
 def rehearse(s: Rehearsal) -> Findings:
@@ -119,17 +124,25 @@ def rehearse(s: Rehearsal) -> Findings:
         UserCodeError: any of them raised; the message carries the user's traceback.
     """
     replica = copy.deepcopy(s.model)
+    try:  # the user's code too: what its objects hold (a counter, a tensor it writes) is the run's, not this one's
+        objective, phases = copy.deepcopy((s.objective, s.phases))
+        s = dataclasses.replace(s, objective=objective, phases=phases)
+    except Exception:  # noqa: BLE001 - code holding what cannot be copied (a lock, a file) runs as given
+        pass
     params = [p for _, p in trainable_parameters(replica)]
     dtype = params[0].dtype if params else torch.float32
     how, channels_last = Precision(s.settings.precision), s.settings.channels_last
     phases = []
     for phase in s.phases:
         prefix = f"phase {phase.name!r}: " if len(s.phases) > 1 else ""
+        changed: tuple[str, ...] = ()
         if s.train_batch is not None:
             batch = in_layout(s.train_batch, channels_last)
+            buffers = {name: b.clone() for name, b in replica.named_buffers()}
             loss_sum, _ = attempt(f"{prefix}the training step (on a first slice of {s.train_samples} samples)",
                                    lambda: phase.objective.train_terms(replica, batch, s.train_samples, how, dtype))
             attempt(f"{prefix}the backward pass", loss_sum.backward)
+            changed = _changed(buffers, dict(replica.named_buffers()))
         finding = _probe(s, phase.objective, replica, prefix)
         phase.objective.form = finding.form or MEAN  # this copy's; the Trainer decides the run's
         optimizer_class, state_keys, monitor = _optimizer_step(phase, params, prefix) \
@@ -139,7 +152,7 @@ def rehearse(s: Rehearsal) -> Findings:
                 attempt(f"{prefix}after_update {_named(phase.after_update)}", lambda: phase.after_update(replica))
         for p in params:
             p.grad = None
-        phases.append(PhaseFindings(optimizer_class, finding, state_keys, monitor))
+        phases.append(PhaseFindings(optimizer_class, finding, state_keys, monitor, changed))
     finding = phases[0].loss if phases else _probe(s, s.objective, replica, "")
     s.objective.form = finding.form or MEAN
     eval_keys: tuple[str, ...] = ()
@@ -155,6 +168,12 @@ def rehearse(s: Rehearsal) -> Findings:
         templates = {name: _metric_template(name, value) for name, value in found.items()
                      if metric_states.is_metric(value)}
     return Findings(tuple(phases), eval_keys, finding, eval_gathers, templates)
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The buffers whose values (or shapes) differ between two snapshots."""
+    return tuple(name for name, value in after.items()
+                 if name not in before or before[name].shape != value.shape or not torch.equal(before[name], value))
 
 
 def _named(fn) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..checkpoint.files import CheckpointDir
@@ -123,13 +124,13 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     splits = placement.global_workers * settings.accumulate > 1
     rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
                                   evaluation, settings.eval_batch_size, objective, phases, settings, splits)
-    settings = decide.for_reading(settings, rehearsal.data_draws_random)
+    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators)
     findings = rehearse(rehearsal, settings)
     if splits:
         findings = _labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
     _settle_losses(objective, phases, findings, splits, evaluation, settings.split)
     _settle_metrics(objective, findings, placement.global_workers)
-    settings = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
+    settings, unproven = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     _check_combinations(settings, placement, train.size)
     _check_gathered(phases, findings, settings, placement, train.size)
     checkpoints, resume_from = locate(settings, cluster)
@@ -138,13 +139,13 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
                                                    sample_order(settings, train.size), {
                                                        name: getattr(settings, name) for name in AGREED_SETTINGS},
                                                    resume_from))
-    like_ddp = _like_ddp(model, phases, findings, rehearsal.data_draws_random) if splits else ()
+    like_ddp = _like_ddp(model, phases, findings, rehearsal.data_draws_random, settings) if splits else ()
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
                 evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
                 evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited,
-                like_ddp=like_ddp)
+                like_ddp=like_ddp, unproven=unproven if splits else ())
     layout = FlatLayout(model, placement.workers, settings.channels_last, settings.shards)
     _say_compression(settings, phases, layout)
     return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
@@ -441,16 +442,27 @@ def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: pref
 
 
 def _like_ddp(model: nn.Module, phases: list[PhaseSpec], findings: preflight.Findings,
-              data_draws_random: bool) -> tuple[str, ...]:
+              data_draws_random: bool, settings: TrainerConfig) -> tuple[str, ...]:
     """Why a run that splits its batches trains like DDP rather than as one process would (none:
-    exact): random draws each worker makes from its own streams, and losses weighed as DDP weighs
-    them. Said at the default log level, and kept in the plan (summary.json's ``exactness``)."""
+    exact, to be verified on the run): random draws each worker makes from its own streams, batch
+    norm over each worker's slice, buffers worker 0's forward passes write, and losses weighed as DDP
+    weighs them. Said at the default log level, and kept in the plan (summary.json's ``exactness``):
+    where one process's step cannot be reproduced, nothing is verified against it."""
     reasons = []
     dropout = [name or type(model).__name__ for name, m in model.named_modules()
                if isinstance(m, _DropoutNd) and m.p > 0]
     if dropout:
-        reasons.append(f"the model's dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}) draws "
-                       "each worker's masks")
+        reasons.append(f"the model's dropout ({_names(dropout)}) draws each worker's masks")
+    norms = [name or type(model).__name__ for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if norms and not settings.sync_batchnorm:
+        reasons.append(f"batch norm ({_names(norms)}) normalises each worker's slice by its own statistics "
+                       "(sync_batchnorm=true: by the global batch's)")
+    normed = {f"{name}.{leaf}" if name else leaf for name, m in model.named_modules() if isinstance(m, _BatchNorm)
+              for leaf in m._buffers}
+    changed = sorted({b for found in findings.phases for b in found.changed_buffers} - normed)
+    if changed:
+        reasons.append(f"the forward pass writes buffers ({_names(changed)}): every worker starts each step from "
+                       "worker 0's values")
     for phase, found in zip(phases, findings.phases):
         prefix = f"phase {phase.name!r}: " if len(phases) > 1 else ""
         if found.loss.draws:
@@ -462,9 +474,14 @@ def _like_ddp(model: nn.Module, phases: list[PhaseSpec], findings: preflight.Fin
                        "for exact augmentation, seed each sample's draws from (seed, epoch, index): wrap the "
                        "dataset in sn_trainer.data.SeededPerSample")
     if reasons:
-        log.warning("like DDP, not equal to one process: %s; each worker draws from its own streams (seeded from "
-                    "seed and rank: repeatable, same distribution, other numbers)", "; ".join(reasons))
+        log.warning("like DDP, not equal to one process: %s (random draws come from each worker's own streams, seeded "
+                    "from seed and rank: repeatable, same distribution, other numbers); no step is compared with one "
+                    "process's", "; ".join(reasons))
     return tuple(reasons)
+
+
+def _names(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
 
 
 def _settle_metrics(objective: Objective, findings: preflight.Findings, global_workers: int) -> None:
