@@ -4,18 +4,19 @@ Importing the package imports no torch: ``python -m sn_trainer`` starts its warm
 server first, so that it and this process import torch at the same time. The names below load
 on first use.
 """
-from .errors import (CheckpointError, ConfigError, DataError, InputError, LossDoesNotSplit, TrainingDiverged,
-                     TrainingInterrupted, UserCodeError, WorkerFailed)
+from .errors import (CheckpointError, ConfigError, DataError, InputError, LossDoesNotSplit, NotExact,
+                     TrainingDiverged, TrainingInterrupted, UserCodeError, WorkerFailed)
 
 __all__ = ["BestCheckpoint", "Callback", "CheckpointConfig", "CheckpointError", "Cluster", "ConfigError", "DataError",
-           "EarlyStopping", "FitResult", "InputError", "LossDoesNotSplit", "Phase", "Trainer", "TrainerConfig", "TrainingDiverged",
-           "TrainingInterrupted", "UserCodeError", "WorkerFailed", "diagnose", "gather", "warm_up"]
+           "EarlyStopping", "FitResult", "InputError", "LossDoesNotSplit", "NotExact", "Phase", "Trainer",
+           "TrainerConfig", "TrainingDiverged", "TrainingInterrupted", "UserCodeError", "VerifyReport", "WorkerFailed",
+           "diagnose", "gather", "warm_up"]
 __version__ = "0.3.0"
 
 _LAZY = {"Trainer": ".trainer", "FitResult": ".fit.result", "TrainerConfig": ".config", "CheckpointConfig": ".config",
          "Cluster": ".engine.node.cluster", "Callback": ".callbacks", "EarlyStopping": ".callbacks",
          "BestCheckpoint": ".callbacks", "Phase": ".phase", "gather": ".engine.step.gather",
-         "diagnose": ".doctor"}
+         "diagnose": ".doctor", "VerifyReport": ".fit.proof"}
 
 
 def __getattr__(name: str):

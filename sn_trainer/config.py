@@ -133,6 +133,11 @@ class TrainerConfig:
                                  "split) or `like_ddp` (a loss with no exact split, such as a detector's, is weighed "
                                  "as DDP weighs it: each worker's mean, averaged over the workers; like DDP, not "
                                  "exact)")
+    verify_every: int = option(100, "where the batch is split, compare a step with what one process computes on the "
+                                    "same global batch (loss, gradients, buffers, the optimizer's update) at steps 1, "
+                                    "2, 4, ... below this, every this many steps and the last: a step that differs "
+                                    "stops the run (with split=like_ddp, relabels it like DDP); `0`: never (the run is "
+                                    "labelled unverified)")
     compress: str = option("none", "between nodes only: `powersgd` sends each shard's gradient as low-rank factors "
                                    "with error feedback (approximate; summary.json says so), `none` sends it whole "
                                    "(exact)")
@@ -192,7 +197,7 @@ class TrainerConfig:
             positive_int(getattr(self, name), name)
         for name in ("max_steps", "eval_every", "max_eval_batches"):
             positive_int(getattr(self, name), name, nullable=True)
-        for name in ("bucket_kb", "measure_after", "max_restarts", "rewarmup_steps", "compress_after"):
+        for name in ("bucket_kb", "measure_after", "max_restarts", "rewarmup_steps", "compress_after", "verify_every"):
             positive_int(getattr(self, name), name, minimum=0)
         require(is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("shuffle", "drop_last", "sync_batchnorm", "resume_strict"):

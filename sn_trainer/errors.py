@@ -31,10 +31,15 @@ class UserCodeError(InputError):
     """
 
 
-class LossDoesNotSplit(InputError):
-    """A scalar loss that was measured to split (a per-sample mean, a sum) did not on a worker's
-    micro-batch while training: raised in that worker at that step, before its update, so the
-    run stops with the checkpoints it had."""
+class NotExact(InputError):
+    """A verified step differed from what one process computes on the same global batch (its loss,
+    a gradient, a buffer, or the update): raised in every worker at that step, before its update
+    where what differed was computed before it, so the run stops with the checkpoints it had. The
+    message names the step, what differed and by how much, the steps verified before it and those
+    that were not."""
+
+
+LossDoesNotSplit = NotExact  # its name before the verification compared whole steps
 
 
 class WorkerFailed(RuntimeError):

@@ -154,10 +154,11 @@ def token_dataset(n: int = 48, block: int = 8, vocab: int = 11, seed: int = 1, p
 def in_a_worker() -> bool:
     """Whether the calling code runs inside a worker's training step or evaluation (not the
     rehearsal before the run, which may run in the test's own process, calling the model as often
-    as it needs): the faults below count only these calls."""
+    as it needs, nor the verification's copy of the step): the faults below count only these calls."""
     from sn_trainer.engine.step import position
 
-    return position._current.get() is not None
+    where = position._current.get()
+    return where is not None and not where.checking
 
 
 class Bomb(nn.Module):

@@ -34,7 +34,7 @@ def test_run_writes_summary_metrics_and_log(tmp_path):
     assert summary["precision"] == summary["plan"]["precision"] == "fp32"
     assert 0 <= summary["test_accuracy"] <= 1 and summary["samples_per_sec"] > 0
     assert summary["peak_memory_bytes"] > 0
-    assert set(summary["stage_seconds"]) == {"data", "forward", "backward", "reduce", "update", "wait"}
+    assert set(summary["stage_seconds"]) == {"data", "forward", "backward", "reduce", "update", "verify", "wait"}
     assert summary["machine"]["physical_cores"] >= 1 and summary["config"]["batch_size"] == 32
     assert summary["config"]["dataset"]["data_seed"] == 1 and summary["config"]["seed"] == 0  # one name each
     rows = list(csv.DictReader((out / "metrics.csv").open()))

@@ -149,7 +149,7 @@ def test_fit_reports_eval_metrics_loss_and_phases():
     assert result.steps == 2 * (84 // 12)
     assert result.eval_accuracy is not None and 0.0 <= result.eval_accuracy <= 1.0
     assert result.final_loss > 0 and result.samples_per_sec > 0 and result.per_worker_batch == 6.0
-    assert set(result.stage_seconds) == {"data", "forward", "backward", "reduce", "update", "wait"}
+    assert set(result.stage_seconds) == {"data", "forward", "backward", "reduce", "update", "verify", "wait"}
     assert all(v >= 0 for v in result.stage_seconds.values()) and result.stage_seconds["forward"] > 0
     epochs_evaluated = [r["epoch"] for r in result.history if "eval_loss" in r]
     assert epochs_evaluated == [1.0, 2.0]

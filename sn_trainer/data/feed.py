@@ -37,6 +37,15 @@ class Feed:
         self._next = (step + 1, self._pool.submit(self._read, step + 1)) if step + 1 < self.last_step else None
         return batches
 
+    def whole(self, step: int) -> list[tuple[Any, int]]:
+        """Every micro-batch of ``step`` whole, the global batch as one process reads it, collated as
+        a plain DataLoader collates it (what a verified step compares with). A read ahead in flight
+        ends first: the source is read by one thread at a time."""
+        if self._next is not None:
+            self._next[1].exception()  # waits; what it raised is raised when its step asks for it
+        return [(in_layout(batch, self.channels_last), samples)
+                for batch, samples in (self.source.micro_batch(step, micro) for micro in range(self.accumulate))]
+
     def _read(self, step: int) -> list[tuple[Any, int]]:
         slices = [self.source.micro_slice(step, micro, self.rank, self.world) for micro in range(self.accumulate)]
         return [(in_layout(batch, self.channels_last), samples) for batch, samples in slices]

@@ -60,6 +60,10 @@ class Source(Protocol):
         """Worker ``rank`` of ``world``'s slice of micro-batch ``micro`` of step ``step``, collated,
         and its samples (None and 0 where the short last batch of an epoch leaves it nothing)."""
 
+    def micro_batch(self, step: int, micro: int) -> tuple[Any, int]:
+        """Micro-batch ``micro`` of step ``step`` whole, collated as a plain DataLoader collates a batch
+        (what one process reads), and its samples; after ``micro_slice`` read it, at the latest."""
+
     def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
         """Worker ``rank``'s share of an evaluation, in batches of at most ``chunk`` samples, with
         their sizes; at most ``max_chunks`` x ``chunk`` samples in all, the first ones."""
@@ -156,6 +160,9 @@ class IndexSource:
         self._tell(epoch)
         return fetch_batch(self.dataset, indices[start:stop], self.collate_fn), stop - start
 
+    def micro_batch(self, step: int, micro: int) -> tuple[Any, int]:
+        return self.micro_slice(step, micro, 0, 1)
+
     def eval_chunks(self, rank: int, world: int, chunk: int, max_chunks: int | None) -> Iterator[tuple[Any, int]]:
         """Contiguous slices, one per worker, of the set (or of its first max_chunks x chunk samples)."""
         total = self.size if max_chunks is None else min(self.size, max_chunks * chunk)
@@ -249,6 +256,7 @@ class StreamSource:
         self._starts = {0: 0}  # the same for every pass seen (a stream without a length)
         self._digests: dict[int, ItemDigest] = {}  # each step read and not yet asked for (several workers)
         self._eval_digest: int | None = None  # of the last evaluation read (several workers)
+        self._wholes: dict[tuple[int, int], list] = {}  # the last steps' micro-batches, every item (micro_batch)
 
     @classmethod
     def reads(cls, dataset: Any) -> bool:
@@ -256,7 +264,7 @@ class StreamSource:
 
     def __getstate__(self):
         # Iterators, copies and digests stay in their process.
-        return {**self.__dict__, "_reader": None, "_own": None, "_digests": {}}
+        return {**self.__dict__, "_reader": None, "_own": None, "_digests": {}, "_wholes": {}}
 
     def _stream(self) -> IterableDataset:
         """A copy of the stream of this worker's own: its state (the epoch set_epoch sets, which a
@@ -276,10 +284,20 @@ class StreamSource:
         if world > 1:  # the reading thread adds to step's digest; the step asks for it once read
             digest = self._digests[step] = ItemDigest() if micro == 0 else self._digests[step]
             digest.add(items)
+        self._wholes[(step, micro)] = items  # kept for this step and the next: a verified step reads it whole
+        for kept in [key for key in self._wholes if key[0] < step - 1]:
+            del self._wholes[kept]
         start, stop = slice_bounds(len(items), world, rank)
         if start == stop:
             return None, 0
         return _collate(items[start:stop], self.collate_fn), stop - start
+
+    def micro_batch(self, step: int, micro: int) -> tuple[Any, int]:
+        """From the items ``micro_slice`` read for it (every worker reads every item of the stream)."""
+        items = self._wholes.get((step, micro))
+        if items is None:
+            return self.micro_slice(step, micro, 0, 1)
+        return (_collate(items, self.collate_fn), len(items)) if items else (None, 0)
 
     def _read_in_pass(self, epoch: int, in_epoch: int, micro: int) -> list:
         """A stream with a length: epoch e is pass e, and micro-batches never cross passes."""

@@ -79,3 +79,5 @@ class WorkerResult:
     stopped_at: int | None = None  # a signal or a callback stopped the run after this step
     diverged_at: int | None = None
     first_step_seconds: float = 0.0  # the first step's wall time (with compile: compiling included)
+    verified: tuple[int, ...] = ()  # steps (from 1) compared with one process's and found equal
+    relabelled: str | None = None  # what a consented difference made the run ("like DDP from step 12: ...")

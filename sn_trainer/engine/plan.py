@@ -56,6 +56,9 @@ class Plan:
     # Why the run trains like DDP rather than as one process (none: exact): random draws each worker
     # makes from its own streams, a loss weighed as DDP weighs it (fit.resolve decides)
     like_ddp: tuple[str, ...] = ()
+    # Settings of the user's that tests have not proven exact for this run (shards=elements for an
+    # optimizer not proven elementwise): verified on the run, and a difference is said, not stopped
+    unproven: tuple[str, ...] = ()
 
     @property
     def runtime(self) -> Runtime:
@@ -124,24 +127,61 @@ class Plan:
             return 1.0
         return min(1.0, (step_done - self.membership[-1][0]) / ramp)
 
-    def summary(self, comm_used: str | None = None, data: str | None = None) -> dict[str, Any]:
+    def summary(self, comm_used: str | None = None, data: str | None = None,
+                exactness: str | None = None) -> dict[str, Any]:
         """What the run used, for FitResult.plan and summary.json: every setting as decided, and
-        what follows from them."""
+        what follows from them (``exactness``: what the run was found to be, else what it starts as)."""
         p, s = self.placement, self.settings
         return {**s.keywords(), "workers": p.workers, "nodes": p.nodes,
                 "pinning": [list(c) for c in p.pinning], "comm": comm_used or s.comm, "loss_form": self.loss_form,
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phase_forms],
                 "per_worker_batch": self.per_worker_batch, "data": data, "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps, "start_step": self.start_step, "notes": list(p.notes),
-                "compression": self.compression, "exactness": self.exactness}
+                "compression": self.compression, "exactness": exactness or self.exactness}
+
+    @property
+    def splits(self) -> bool:
+        """Whether a step's global batch is split (workers, nodes or accumulation)."""
+        return self.global_workers * self.settings.accumulate > 1
+
+    @property
+    def approximate(self) -> bool:
+        return self.settings.compress != "none" and self.placement.nodes > 1
+
+    @property
+    def verifies(self) -> bool:
+        """Whether the workers compare steps with one process's (``engine.step.verification``): where the
+        batch is split, and the run is not like DDP or approximate by construction."""
+        return (self.splits and self.settings.verify_every > 0 and not self.like_ddp and not self.approximate
+                and not self.evaluate_only)
 
     @property
     def exactness(self) -> str:
-        """Against one process training plain PyTorch on the same global batches: "exact", or
-        "like DDP: " and why."""
-        if self.settings.compress != "none" and self.placement.nodes > 1:
+        """Against one process training plain PyTorch on the same global batches, as the run starts:
+        what it is by construction, and what it will verify."""
+        if self.approximate:
             return "approximate: " + self.compression
-        return f"like DDP: {'; '.join(self.like_ddp)}" if self.like_ddp else "exact"
+        if self.like_ddp:
+            return f"like DDP: {'; '.join(self.like_ddp)}"
+        if not self.splits:
+            return "exact: one worker, one slice a step (nothing is split)"
+        unproven = f" ({'; '.join(self.unproven)})" if self.unproven else ""
+        if not self.verifies:
+            return f"unverified: verify_every=0, so no step was compared with one process's{unproven}"
+        return f"exact if verified: steps compared with one process's every {self.settings.verify_every} steps and " \
+               f"at the last{unproven}"
+
+    def exactness_after(self, verified: list[int], relabelled: str | None) -> str:
+        """What the run was, once it ran: ``verified``, the steps (from 1) found equal to one
+        process's; ``relabelled``, what a consented difference made it (None: none)."""
+        if not self.verifies:
+            return self.exactness
+        if relabelled is not None:
+            return relabelled
+        listed = ", ".join(map(str, verified)) if len(verified) <= 8 else \
+            f"{', '.join(map(str, verified[:4]))}, ..., {verified[-1]}"
+        unproven = f" ({'; '.join(self.unproven)})" if self.unproven else ""
+        return f"exact, verified at {len(verified)} step{'s' if len(verified) != 1 else ''} ({listed}){unproven}"
 
     @property
     def compression(self) -> str:

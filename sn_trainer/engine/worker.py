@@ -209,7 +209,10 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
         if stopping:
             stopped_at = done
             break
+    verification = replica.verification
     result = meter.result(replica, stopped_at or diverged_at or plan.total_steps, eval_metrics=eval_metrics,
-                          final_loss=loss, skipped_steps=skipped, stopped_at=stopped_at, diverged_at=diverged_at)
+                          final_loss=loss, skipped_steps=skipped, stopped_at=stopped_at, diverged_at=diverged_at,
+                          verified=tuple(verification.verified) if verification else (),
+                          relabelled=verification.relabelled if verification else None)
     profiler.stop()
     return result

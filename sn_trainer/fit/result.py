@@ -59,6 +59,9 @@ class FitResult:
     # {step, nodes, workers}: the nodes and workers (in all) the run started with, then each change
     # (an elastic restart, a resume at another size), carried on by the checkpoints
     membership: list[dict[str, int]] = field(default_factory=list)
+    # The steps (from 1) compared with what one process computes on the same global batch and found
+    # equal (plan["exactness"] says what that makes the run)
+    verified_steps: list[int] = field(default_factory=list)
 
     @property
     def workers(self) -> int:
@@ -144,12 +147,13 @@ def fit_result(outcome: Outcome, history: list[dict[str, Any]], last_saved: Path
         eval_metrics=eval_metrics, eval_error=lead.eval_metrics.get("eval_error"), history=history,
         cpu_percent_per_core=lead.cpu_percent_per_core, skipped_steps=lead.skipped_steps, restarts=outcome.restarts,
         last_checkpoint=str(last_saved) if last_saved else None, other_cpu_percent=other,
-        plan=plan.summary(lead.reducer, data), stopped_early=lead.stopped_at, ema_state_dict=outcome.ema_state_dict,
+        plan=plan.summary(lead.reducer, data, plan.exactness_after(list(lead.verified), lead.relabelled)),
+        stopped_early=lead.stopped_at, ema_state_dict=outcome.ema_state_dict,
         compile_seconds=max(0.0, lead.first_step_seconds - lead.train_seconds / lead.measured_steps)
         if plan.settings.compile and lead.measured_steps else None,
         stage_seconds_per_worker=[dict(r.stage_seconds) for r in results],
         run_queue_seconds=[(r.cpu_seconds or {}).get("run_queue", 0.0) for r in results],
-        membership=as_records(plan.membership))
+        membership=as_records(plan.membership), verified_steps=list(lead.verified))
 
 
 def other_cpu_percent(results: list[WorkerResult], launcher_cpu: float) -> float | None:

@@ -182,7 +182,7 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
                         evaluation=run.evaluation, objective=run.objective, phases=run.phases,
                         board=Board.allocate(plan.workers, len(run.layout.slots), buffer_count(run.model)),
                         stop=stop, heartbeats=heartbeats, reducers=reducers,
-                        ema=shared.ema)
+                        ema=shared.ema, **verification_shares(run, plan, shared.flat.dtype))
         specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
                             share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
         peak = PeakMemory()
@@ -197,6 +197,15 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
                 held.release()
         SharedParams.release(run.model)
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def verification_shares(run: Run, plan: Plan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What the workers of a verified run share: every shard's summed gradient, laid out as the
+    weights, and the word the others sleep on while worker 0 compares (``engine.step.verification``)."""
+    if not plan.verifies:
+        return {}
+    return {"verify_grads": torch.zeros(run.layout.padded_numel, dtype=dtype).share_memory_(),
+            "verify_bell": torch.zeros(1, dtype=torch.int32).share_memory_()}
 
 
 def across_nodes(cluster: Cluster | None) -> bool:

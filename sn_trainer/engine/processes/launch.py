@@ -391,7 +391,7 @@ class _Inbox:
 def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, where) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
-    refusals: list[InputError] = []  # what the workers found wrong with the user's input
+    refusals: dict[int, InputError] = {}  # what the workers found wrong with the user's input, by rank
     running = set(range(len(procs)))
 
     busy_until = 0.0  # when the launcher last came back from on_message (the run's callbacks)
@@ -407,7 +407,7 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
             elif kind == "error":
                 failures.append((rank, body))
             elif kind == "refused":
-                refusals.append(body)
+                refusals[rank] = body
 
     def watch(timeout_s: float) -> None:
         """Deliver what arrives within ``timeout_s``, and reap the workers that ended meanwhile."""
@@ -431,14 +431,16 @@ def _supervise(procs, inbox: _Inbox, on_message, watchdog: Watchdog, tick_s, whe
                 failures.extend(watchdog.heartbeats.stalled(watchdog.timeout_s, busy_until))
     # A worker that stopped because a peer ended can tell before the launcher sees that peer's exit: the
     # peer's end is the cause to report, so it gets a moment to be seen.
+    # Workers that refuse one input together (a verified step that differs) all end at once: worker
+    # 0's refusal, which says the most, gets the same moment to arrive.
     settle_by = time.monotonic() + _SETTLE_S
-    while running and failures and all(_follows_a_peer(detail) for _, detail in failures):
+    while running and failures and (refusals or all(_follows_a_peer(detail) for _, detail in failures)):
         if (left := settle_by - time.monotonic()) <= 0:
             break
         watch(left)
     failures.sort(key=lambda failure: _follows_a_peer(failure[1]))
     if refusals:  # bad input, not a failed worker: no restart mends it, and the user is told it in one line
-        raise refusals[0]
+        raise refusals[min(refusals)]  # the lowest rank's: where all refuse at once, worker 0 says the most
     if failures:
         rank, detail = failures[0]
         raise WorkerFailed(rank, detail, failures[1:], where=where)

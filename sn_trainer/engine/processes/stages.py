@@ -7,7 +7,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-STEP_STAGES = ("data", "forward", "backward", "reduce", "update", "wait")  # a step's time, split
+# A step's time, split; "verify": worker 0 comparing a verified step with one process's (engine/step/verification.py).
+STEP_STAGES = ("data", "forward", "backward", "reduce", "update", "verify", "wait")
 STAGES = ("setup", *STEP_STAGES, "eval", "sync", "checkpoint")  # what a heartbeat says a worker is in
 # Stages in which a worker waits for its peers: one stuck there is a victim, not the cause.
 WAITING = frozenset({"reduce", "wait", "sync", "setup"})

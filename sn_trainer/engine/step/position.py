@@ -9,6 +9,7 @@ rehearsal, the loss probe, a plain loop).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -25,11 +26,17 @@ class Position:
     step: int | None = 0
     epoch: int | None = 0
     batch: int = 0
+    checking: bool = False  # a check's call (the verification's one process), not the run's own step
 
 
 def in_training(step: int, micro: int, steps_per_epoch: int, accumulate: int) -> Position:
     """Micro-batch ``micro`` of step ``step`` (both from 0)."""
     return Position(step, step // steps_per_epoch, (step % steps_per_epoch) * accumulate + micro)
+
+
+def checking(where: Position) -> Position:
+    """``where``, as a check that repeats the step there sees it (``engine.step.verification``)."""
+    return dataclasses.replace(where, checking=True)
 
 
 _current: contextvars.ContextVar[Position | None] = contextvars.ContextVar("sn_trainer_position", default=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +30,13 @@ from ..plan import Plan
 from ..processes.launch import Heartbeats, pack
 from ..processes.signals import StopFlags
 from ..processes.stages import StageTimer
-from . import position, split_check
+from . import position
 from .batchnorm import synchronise
 from .board import Board, StepTotals, digest_terms, one_digest
 from .gather import Gathering, Refusing, StepGathering, gathering
 from .objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
+from .verification import Bell, Peers, Reference, Verification
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Launch:
     heartbeats: Heartbeats
     reducers: dict[str, tuple[type, Any]]  # the reducers the workers may build: each class, what it shares
     ema: torch.Tensor | None = None  # the parameters' moving average, laid out as ``flat`` (ema_decay)
+    verify_grads: torch.Tensor | None = None  # laid out as ``flat``: every shard's summed gradient, at a verified step
+    verify_bell: torch.Tensor | None = None  # an int32 the other workers sleep on while worker 0 verifies
 
 
 @dataclass
@@ -92,6 +96,9 @@ class Replica:
         self.global_workers = placement.global_workers
         self.model, self.layout, self.objective = launch.model, launch.layout, launch.objective
         self.precision, self.dtype = Precision(settings.precision), launch.flat.dtype
+        # Worker 0's one process, copied from the model before it becomes the shared one.
+        reference = Reference(self.model, self.layout, launch.phases, plan, self.dtype) \
+            if plan.verifies and spec.rank == 0 else None
         self.layout.bind(self.model, launch.flat)
         # What forward passes call: the model, or (compile) inductor's compilation of it, over the
         # same parameters; it compiles on its first call (the first step), from the shared cache
@@ -114,6 +121,15 @@ class Replica:
         self.phases = [WorkerPhase(phase, self.layout, spec.rank, launch.flat, self.reducer.shard_grad, plan,
                                    share["phases"][index] if share else None)
                        for index, phase in enumerate(launch.phases)]
+        self.verification = None
+        if plan.verifies:
+            rendezvous = os.path.dirname(spec.store_path)
+            peers = Peers(spec.rank, plan.workers, self.reducer.barrier, self.global_sum,
+                          lambda rank: os.path.join(rendezvous, f"verify-{rank}.pt"), Bell(launch.verify_bell),
+                          tuple(sorted({cpu for cpus in placement.pinning for cpu in cpus})),
+                          settings.threads * plan.workers)
+            shard = self.layout.shards[spec.rank]
+            self.verification = Verification(plan, peers, launch.verify_grads, (shard.start, shard.stop), reference)
         self.lr_used: float | None = None  # by the last step's update
         self._awaited_sent = 0  # worker 0: the events it sent in this launch that it waits on the launcher for
         if share is not None and share.get("rng") is not None:
@@ -182,23 +198,34 @@ class Replica:
             micro_batches = self.feed.step(step)
             digest = self.launch.train.order_digest(step)
         phase_totals = []
+        verifying = self.verification is not None and self.verification.due(step)
         for index, phase in enumerate(self.phases):
             if index:
                 with timer("wait"):
                     self.reducer.barrier()  # the previous phase's update is written everywhere
-            phase_totals.append(self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer,
-                                                digest))
-            if not phase_totals[-1].one_batch:  # every worker reads the same totals: all stop here, before an update
+            if verifying:
+                with timer("wait"):
+                    self.verification.phase_start(self.model, index, phase.objective)
+            totals = self.phase_step(step * len(self.phases) + index, phase, micro_batches, timer, digest)
+            phase_totals.append(totals)
+            if not totals.one_batch:  # every worker reads the same totals: all stop here, before an update
                 raise DataError(different_orders(f"the workers read different items for step {step + 1}'s global "
                                                  "batch"))
+            checked = verifying and totals.finite  # a left-out update has nothing to compare
+            if checked:
+                self.verification.after_reduce(step, index, self.reducer.shard_grad, phase.optimizer,
+                                               lambda: self.feed.whole(step), self.launch.flat, totals, self.model,
+                                               timer)
             if index == 0:
                 self.lr_used = self.current_lr()  # before the scheduler moves it on
             with timer("update"):
-                if phase_totals[-1].finite:
-                    phase.update(self.reducer.shard_grad, phase_totals[-1].count, phase_totals[-1].unused, step + 1,
+                if totals.finite:
+                    phase.update(self.reducer.shard_grad, totals.count, totals.unused, step + 1,
                                  self.reducer.sum_in_node, whole_model=len(self.phases) == 1)
-            if phase.spec.after_update is not None and phase_totals[-1].finite:  # a left-out update has no after
+            if phase.spec.after_update is not None and totals.finite:  # a left-out update has no after
                 self.after_update(phase.spec.after_update, timer)
+            if checked:
+                self.verification.after_update(step, self.launch.flat, timer, last_phase=index == len(self.phases) - 1)
         with timer("update"):
             if self.launch.ema is not None:  # this shard's average: 1/W of the work in each worker
                 shard = self.layout.shards[self.rank]
@@ -242,9 +269,6 @@ class Replica:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
             where = position.in_training(step, micro, self.plan.steps_per_epoch, self.plan.settings.accumulate)
             with timer("forward"), gathering(self._gathering(phase.objective)), position.at(where):
-                if micro == 0 and self._splits and split_check.due(step):  # what the probe found, verified here
-                    split_check.verify(phase.objective, self.runner, batch, samples, self.dtype, step,
-                                       self.global_rank)
                 micro_loss, micro_count = phase.objective.train_terms(self.runner, batch, samples, self.precision,
                                                                       self.dtype)
             with timer("backward"):
@@ -261,11 +285,6 @@ class Replica:
             with timer("update"):
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
         return totals
-
-    @property
-    def _splits(self) -> bool:
-        """Whether a step's batch is split (workers, nodes or accumulation): how its loss splits matters."""
-        return self.global_workers * self.plan.settings.accumulate > 1
 
     def _gathering(self, objective: Objective) -> Gathering:
         """What sn_trainer.gather does in a micro-batch of ``objective``'s step: exchange the slices
