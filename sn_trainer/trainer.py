@@ -28,7 +28,7 @@ from .engine.node.topology import read_topology
 from .engine.processes.launch import starts_warm, warm_up
 from .engine.processes.signals import StopFlags
 from .errors import ConfigError
-from .fit import decide, lightning
+from .fit import decide, lightning, proof
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps
 from .fit.result import FitResult, fit_result
 from .fit.session import Session, launch_workers
@@ -159,6 +159,29 @@ class Trainer:
         result._model = model  # the trained model, for save(); not a field: as_dict() leaves it out
         session.callbacks.call("on_fit_end", self, result)
         return result
+
+    def verify(self, model: nn.Module, train_set: Dataset, steps: int = 10,
+               optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+               loss_fn: Callable[..., torch.Tensor] | None = None,
+               step_fn: Callable[[nn.Module, Any], Any] | None = None,
+               param_groups: Callable[[nn.Module], Any] | None = None,
+               scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+               collate_fn: Callable[[list], Any] | None = None,
+               after_update: Callable[[nn.Module], Any] | None = None) -> proof.VerifyReport:
+        """Prove it on your model: train copies of ``model`` for ``steps`` steps with this Trainer's
+        workers (every step compared with one process's) and as one plain process over the same
+        global batches; ``model`` itself is left as it is.
+
+        Returns:
+            A ``VerifyReport``: the verdict (``"exact"`` to rounding, ``"like DDP"``, ``"not exact"`` or
+            ``"refused"``) and why, the rows of the exactness contract that apply, and per parameter
+            the largest difference between the two; ``print(report)`` shows them.
+        """
+        fit_args = {"optimizer": optimizer, "loss_fn": loss_fn, "step_fn": step_fn, "param_groups": param_groups,
+                    "scheduler": scheduler, "collate_fn": collate_fn, "after_update": after_update}
+        return proof.prove(self.config, model, train_set, steps,
+                           lambda config, copied: Trainer(config, cluster=self.cluster).fit(copied, train_set,
+                                                                                            **fit_args), fit_args)
 
     def _settled_for(self, model: nn.Module):
         """The settings and placement a fit of ``model`` runs with: with workers or the runtime

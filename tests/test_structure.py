@@ -32,6 +32,7 @@ LAYERS = {
     "trainer": 6,  # the public API
     "cli": 7, "__main__": 7, "__init__": 7,  # the command lines, sn_trainer's own __main__, the lazy names
     "launch": 7,  # a pinning torchrun: an edge like the command line
+    "verify": 7,  # prove it on your model: Trainer.verify's command line
 }
 
 # The engine's rooms, lowest first: a module of the engine imports its own room and lower ones only,

@@ -1,0 +1,1 @@
+"""``python -m sn_trainer.verify``: prove it on your model, from the command line (``Trainer.verify``)."""
