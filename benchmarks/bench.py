@@ -325,7 +325,7 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
                      sync_batchnorm=variant == "sn_sync", allocator=runtime.allocator, openmp=runtime.openmp,
-                     log_every=10**9).fit(
+                     log_every=10**9, verify_every=0).fit(  # speed alone: verify_cost.md has a check's
         make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
 

@@ -126,7 +126,7 @@ def node_main(args) -> None:
     result = Trainer(cluster=Cluster.from_env(os.environ), workers=1, batch_size=MODELS[args.model],
                      max_steps=steps, epochs=args.epochs or 1, measure_after=args.warmup if steps else 0,
                      log_every=1 if steps else 100, compress=args.compress, compress_rank=args.rank,
-                     compress_after=args.after, seed=0).fit(
+                     compress_after=args.after, seed=0, verify_every=0).fit(
         model, data, eval_set=evaluation, optimizer=optimizer, step_fn=step_fn,
         callbacks=[wire_marks])
     marks = wire_marks.marks

@@ -75,11 +75,12 @@ def run_job(cfg: RunConfig, out_dir: str | os.PathLike, resolved: dict[str, Any]
 
 def _job_settings(cfg: RunConfig, out: Path) -> TrainerConfig:
     """The Trainer's settings for this job: a benchmark job measures bench.steps steps after
-    bench.warmup, and has nothing worth resuming; profile=true traces into the output folder."""
+    bench.warmup, its speed alone (no step compared with one process's: a check would land in the
+    few steps it measures), and has nothing worth resuming; profile=true traces into the output folder."""
     settings = cfg.trainer
     if cfg.bench.enabled:
         settings = dataclasses.replace(settings, max_steps=cfg.bench.warmup + cfg.bench.steps,
-                                       measure_after=cfg.bench.warmup,
+                                       measure_after=cfg.bench.warmup, verify_every=0,
                                        checkpoint=dataclasses.replace(settings.checkpoint, dir=None))
     if cfg.profile:
         settings = dataclasses.replace(settings, profile_dir=str(out))

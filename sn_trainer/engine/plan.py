@@ -181,7 +181,8 @@ class Plan:
         listed = ", ".join(map(str, verified)) if len(verified) <= 8 else \
             f"{', '.join(map(str, verified[:4]))}, ..., {verified[-1]}"
         unproven = f" ({'; '.join(self.unproven)})" if self.unproven else ""
-        return f"exact, verified at {len(verified)} step{'s' if len(verified) != 1 else ''} ({listed}){unproven}"
+        since = f" since the launch resumed after step {self.start_step}" if self.start_step else ""
+        return f"exact, verified at {len(verified)} step{'s' if len(verified) != 1 else ''}{since} ({listed}){unproven}"
 
     @property
     def compression(self) -> str:
