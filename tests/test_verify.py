@@ -88,9 +88,9 @@ def like_ddp_text_fit(model, dataset, batch_size, workers, steps, seed):
     return model
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_a_model_that_depends_on_its_batchs_padding_stops_or_is_like_ddp_with_consent(workers, caplog):
-    model = TextCNN().double()
+@pytest.mark.parametrize("workers, dtype", [(2, F64), (3, F64), (2, torch.float32)])
+def test_a_model_that_depends_on_its_batchs_padding_stops_or_is_like_ddp_with_consent(workers, dtype):
+    model = TextCNN().to(dtype)
     before = copy.deepcopy(model.state_dict())
     trainer = Trainer(workers=workers, batch_size=8, max_steps=4, seed=2)
     with pytest.raises(NotExact) as stopped:
@@ -99,11 +99,12 @@ def test_a_model_that_depends_on_its_batchs_padding_stops_or_is_like_ddp_with_co
     assert message.startswith("step 1 differs from one process's step on the same global batch: ")
     assert "no update was applied for step 1" in message and "padding" in message and "\n" not in message
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing trained off
+    if dtype == torch.float32:  # found in float32 too, beyond what float64 says rounding moves it
+        return
 
     reference = like_ddp_text_fit(copy.deepcopy(model), Sentences(), 8, workers, steps=4, seed=2)
-    with caplog.at_level(logging.WARNING, logger="sn_trainer"):
-        result = Trainer(workers=workers, batch_size=8, max_steps=4, seed=2, split="like_ddp").fit(
-            model, Sentences(), optimizer=SGD, collate_fn=pad_to_longest)
+    result = Trainer(workers=workers, batch_size=8, max_steps=4, seed=2, split="like_ddp").fit(
+        model, Sentences(), optimizer=SGD, collate_fn=pad_to_longest)
     assert result.plan["exactness"].startswith("like DDP from step 1: step 1 differs from one process's step")
     assert result.verified_steps == []
     assert_exact(model, reference)  # what it trains on: DDP's step, each slice padded alone

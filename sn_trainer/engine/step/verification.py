@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...data import random_state
+from ...data.batching import map_tensors
 from ...errors import NotExact
 from ...shm import futex
 from ...shm.group import SHM_SAFE
@@ -106,7 +107,7 @@ class Difference:
     update: bool  # found in the update (the optimizer's step) rather than what the step computed
 
     def said(self) -> str:
-        return f"{self.what} is {self.off:.2g} off (relative; rounding allows {self.tolerance:.0e})"
+        return f"{self.what} is {self.off:.2g} off (relative; rounding allows {self.tolerance:.1g})"
 
 
 def _norm(tensor: torch.Tensor) -> float:
@@ -162,6 +163,27 @@ def _copy(obj: Any) -> Any:
         return obj
 
 
+# Where a float32 step exceeds its first bound, what one process's own step is from float64 tells how
+# ill-conditioned it is: a difference up to NOISE times that, or ROUNDING_CAP, is rounding too.
+NOISE, ROUNDING_CAP = 8, 3e-2
+
+
+@dataclass
+class Found:
+    """One process's phase on a global batch: its loss, gradient (flat, divided as the workers
+    divide theirs), which parameters the backward reached, and the buffers and frozen parameters left."""
+
+    loss: float
+    grad: torch.Tensor
+    reached: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+    def kept(self) -> "Found":
+        """A copy that the next pass of the same reference leaves as it is."""
+        return Found(self.loss, self.grad.clone(), self.reached.clone(),
+                     {name: t.detach().clone() for name, t in self.state.items()})
+
+
 def _code(objective: Any) -> list[Any]:
     """The user's objects of an objective whose attributes may change between calls."""
     return [f for f in (objective.step_fn, objective.loss_fn, objective.metric_fn) if f is not None]
@@ -193,7 +215,6 @@ class Reference:
         self._start: dict[str, torch.Tensor] = {}
         self._attributes: list[dict[str, Any]] = []
         self._before = torch.zeros(0, dtype=dtype)
-        self.loss = math.nan
 
     def phase_start(self, model: nn.Module, index: int, objective: Any) -> None:
         """What the worker's model and phase ``index``'s code hold besides the weights as the phase
@@ -216,10 +237,10 @@ class Reference:
                     owner = self.model.get_submodule(module_name) if module_name else self.model
                     owner._buffers[leaf] = value.clone()
 
-    def gradient(self, index: int, batches: list[tuple[Any, int]], flat: torch.Tensor, step: int) -> None:
+    def gradient(self, index: int, batches: list[tuple[Any, int]], flat: torch.Tensor, step: int) -> Found:
         """Forward and backward of phase ``index`` on the global batch's micro-batches, from ``flat``'s
-        weights and the phase's starting state, as one process computes them: the loss (``loss``)
-        and the gradient (``grad_flat``), divided as the workers divide theirs."""
+        weights and the phase's starting state, as one process computes them: the loss, the
+        gradient (in ``grad_flat``), divided as the workers divide theirs, and the state left."""
         self.flat.copy_(flat)
         self._before = flat.clone()
         self._load_start(index)
@@ -246,40 +267,97 @@ class Reference:
         if objective.divides and count > 0:
             self.grad_flat.div_(count)
             loss_sum /= count
-        self.loss = loss_sum
+        return Found(loss_sum, self.grad_flat, self.reached.clone(), _state(self.model))
 
-    def compare_computed(self, loss: float, theirs: torch.Tensor, unused: tuple[int, ...],
-                         model: nn.Module) -> Difference | None:
+    def in_float64(self, index: int, batches: list[tuple[Any, int]], step: int) -> Found | None:
+        """The last ``gradient`` again in float64, without autocast, on a float64 copy of the model:
+        how far rounding moved one process's own step (None where the step cannot run so: a model
+        or step that keeps a lower dtype of its own)."""
+        twin = copy.deepcopy(self.model).double()
+        objective = _copy(self.objectives[index])
+        for p in twin.parameters():
+            p.grad = None
+        params = self.layout.parameters(twin)
+        for i, p in enumerate(params):
+            with torch.no_grad():
+                p.copy_(self.layout.view(self.flat, i))
+        reached = torch.zeros(len(params), dtype=torch.bool)
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: reached.__setitem__(i, True))
+        state = _state(twin)
+        with torch.no_grad():
+            for name, value in self._start.items():
+                if name in state and state[name].shape == value.shape:
+                    state[name].copy_(value)
+        settings, loss_sum, count = self.plan.settings, 0.0, 0.0
+        try:
+            with random_state.kept(), gathering(Gathering()), torch.enable_grad():
+                for micro, (batch, samples) in enumerate(batches):
+                    if samples == 0:
+                        continue
+                    where = position.in_training(step, micro, self.plan.steps_per_epoch, settings.accumulate)
+                    wide = map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
+                    with position.at(position.checking(where)):
+                        micro_loss, micro_count = objective.train_terms(twin, wide, samples, Precision("fp32"),
+                                                                        torch.float64)
+                    micro_loss.backward()
+                    loss_sum += micro_loss.item()
+                    count += micro_count
+        except Exception:  # noqa: BLE001 - a part that keeps its own dtype: no float64 step to measure against
+            return None
+        grad = torch.zeros(self.layout.padded_numel, dtype=torch.float64)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                self.layout.view(grad, i).copy_(p.grad)
+        divided = objective.divides and count > 0
+        if divided:
+            grad.div_(count)
+        return Found(loss_sum / count if divided else loss_sum, grad, reached, _state(twin))
+
+    def compare_computed(self, found: Found, loss: float, theirs: torch.Tensor, unused: tuple[int, ...],
+                         model: nn.Module, rounding: Found | None = None) -> Difference | None:
         """The workers' loss, gradient (``theirs``, divided as they divide it) and what their forward
-        passes left in ``model`` against one process's; the worst difference beyond rounding, or None."""
-        layout, mine = self.layout, self.grad_flat
-        worst = (relative(torch.tensor(loss), torch.tensor(self.loss)), "the loss")
+        passes left in ``model`` against one process's (``found``); the worst difference beyond
+        rounding, or None. ``rounding``: one process's step again in float64; where given, a
+        difference up to ``NOISE`` times how far that is from ``found`` counts as rounding too (a
+        float32 net's batch norms and ReLUs can move a small gradient by a percent from rounding
+        alone, where float64 moves it by 1e-14)."""
+        tolerance, layout = self.computed_tolerance, self.layout
+
+        def allowed(other: Callable[[Found], torch.Tensor], floor: float = 0.0) -> float:
+            if rounding is None:
+                return tolerance
+            return max(tolerance, ROUNDING_CAP, NOISE * relative(other(rounding), other(found), floor))
+
+        worst = (relative(torch.tensor(loss), torch.tensor(found.loss)), "the loss",
+                 allowed(lambda f: torch.tensor(f.loss)))
         scale = _norm(theirs)
         for index, slot in enumerate(layout.slots):
-            reached = bool(self.reached[index])
+            reached = bool(found.reached[index])
             if reached == (index in unused):
                 return Difference(f"whether {slot.name} gets a gradient (one process: {'yes' if reached else 'no'}, "
-                                  f"the workers: {'no' if reached else 'yes'})", math.inf, self.computed_tolerance,
-                                  update=False)
+                                  f"the workers: {'no' if reached else 'yes'})", math.inf, tolerance, update=False)
+            span = slice(slot.offset, slot.stop)
             floor = scale * math.sqrt(slot.numel / layout.numel)  # this parameter's share of the whole gradient
-            off = relative(theirs[slot.offset : slot.stop], mine[slot.offset : slot.stop], floor)
-            if not off <= worst[0]:
-                worst = (off, f"the gradient of {slot.name}")
+            off = relative(theirs[span], found.grad[span], floor)
+            bound = allowed(lambda f, span=span: f.grad[span], floor)
+            if not off / bound <= worst[0] / worst[2]:
+                worst = (off, f"the gradient of {slot.name}", bound)
         buffers = dict(model.named_buffers())
-        held = _state(self.model)
         for name, value in _state(model).items():
-            other = held.get(name)
+            other = found.state.get(name)
             if other is None or other.shape != value.shape:
                 off = math.inf
             elif value.is_floating_point() or value.is_complex():
                 off = relative(value, other)
             else:
                 off = 0.0 if torch.equal(value, other) else math.inf
-            if not off <= worst[0]:
-                worst = (off, f"{'buffer' if name in buffers else 'frozen parameter'} {name}")
-        off, what = worst
-        return Difference(what, off, self.computed_tolerance, update=False) \
-            if not off <= self.computed_tolerance else None
+            bound = allowed(lambda f, name=name: f.state[name]) if math.isfinite(off) and value.is_floating_point() \
+                else tolerance
+            if not off / bound <= worst[0] / worst[2]:
+                worst = (off, f"{'buffer' if name in buffers else 'frozen parameter'} {name}", bound)
+        off, what, bound = worst
+        return Difference(what, off, bound, update=False) if not off <= bound else None
 
     def update(self, index: int, theirs: torch.Tensor, unused: tuple[int, ...], parts: list[dict[str, Any] | None],
                step: int) -> None:
@@ -463,9 +541,17 @@ class Verification:
         divides = reference.objectives[index].divides
         theirs = self.grads / totals.count if divides and totals.count > 0 else self.grads.clone()
         loss = totals.loss_sum / totals.count if divides and totals.count > 0 else totals.loss_sum
+        batches = whole()
         with borrowed(self.peers.cores, self.peers.threads):
-            reference.gradient(index, whole(), flat, step)
-            difference = reference.compare_computed(loss, theirs, totals.unused, model)
+            found = reference.gradient(index, batches, flat, step)
+            difference = reference.compare_computed(found, loss, theirs, totals.unused, model)
+            if difference is not None and math.isfinite(difference.off) and reference.dtype != torch.float64:
+                # Beyond the first bound: how far does rounding alone move one process's own step?
+                # The same step in float64 tells (a step that is off stays off in any precision).
+                found = found.kept()
+                rounding = reference.in_float64(index, batches, step)
+                if rounding is not None:
+                    difference = reference.compare_computed(found, loss, theirs, totals.unused, model, rounding)
             if difference is None:
                 parts = [own if rank == self.peers.rank else torch.load(self.peers.state_file(rank), weights_only=False)
                          for rank in range(self.peers.workers)]
