@@ -397,7 +397,7 @@ def test_verify_tells_a_users_model_exact_like_ddp_not_exact_or_refused():
     assert str(exact).startswith("verdict: exact: exact, verified at 3 steps")
 
     like = trainer.verify(Dropped().double(), tiny_dataset(dtype=F64), steps=3, optimizer=SGD)
-    assert like.verdict == "like DDP" and like.why.startswith("like DDP: the model's dropout (drop)")
+    assert like.verdict == "like DDP" and like.why.startswith("the model's dropout (drop) draws each worker's masks")
     assert "random ops (dropout, a VAE's noise, augmentation with torch, numpy or `random`)" in like.rows
     assert like.largest > 1e-3  # each worker's masks are not one process's
 

@@ -119,6 +119,8 @@ def prove(config: TrainerConfig, model: nn.Module, train_set: Any, steps: int, f
     if stopped is not None:
         verdict, why = "not exact", (f"{stopped} (with split=\"like_ddp\" it trains like DDP from there: the "
                                      "differences below)")
+    elif label.startswith("like DDP: "):  # by construction: why, as the run says it
+        verdict, why = "like DDP", label[len("like DDP: "):]
     elif label.startswith("like DDP") or label.startswith("not exact") or label.startswith("approximate"):
         verdict, why = ("like DDP" if label.startswith("like DDP") else "not exact"), label
     else:
