@@ -141,6 +141,35 @@ class TinyGPT(nn.Module):
         return logits, loss
 
 
+class SwitchLayer(nn.Module):
+    """A router and 3 experts, each sample sent to its top expert (Switch Transformer's routing).
+    ``collapsing``: a large first input sends a sample to expert 0, by far."""
+
+    def __init__(self, collapsing: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
+        if collapsing:
+            with torch.no_grad():
+                self.router.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 1, 0, 0], [-1.0, 0, 1, 0]]))
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top = probs.argmax(-1)
+        out = torch.stack([self.experts[int(e)](row) * probs[i, e] for i, (row, e) in enumerate(zip(x, top))])
+        return out, probs, top
+
+
+def switch_step(model, batch):
+    """Cross-entropy plus Switch's load-balancing loss: 3 * sum over experts of (the share of the batch
+    routed there) x (the batch's mean router probability there). It couples the batch's samples."""
+    x, y = batch
+    out, probs, top = model(x)
+    share = torch.nn.functional.one_hot(top, 3).to(probs.dtype).mean(0)
+    return torch.nn.functional.cross_entropy(out, y) + 3 * (share * probs.mean(0)).sum()
+
+
 def token_dataset(n: int = 48, block: int = 8, vocab: int = 11, seed: int = 1, pad_fraction: float = 0.0):
     """Windows of tokens and their next tokens; a share of the targets set to -1 (padding)."""
     g = torch.Generator().manual_seed(seed)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from helpers import assert_exact, cross_entropy, plain_fit as plain_loop, plain_indices, worker_slices
+from helpers import (SwitchLayer, assert_exact, cross_entropy, plain_fit as plain_loop, plain_indices, switch_step,
+                     worker_slices)
 from sn_trainer import ConfigError, Trainer
 from sn_trainer.engine.step.objective import Objective
 from sn_trainer.fit import loss_probe
@@ -180,31 +181,6 @@ class Routed(Dataset):
 
     def __getitem__(self, i):
         return self.x[i], self.y[i]
-
-
-class SwitchLayer(nn.Module):
-    """A router and 3 experts, each sample sent to its top expert (Switch Transformer's routing)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.router = nn.Linear(4, 3)
-        self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
-
-    def forward(self, x):
-        probs = self.router(x).softmax(-1)
-        top = probs.argmax(-1)
-        out = torch.stack([self.experts[int(e)](row) * probs[i, e] for i, (row, e) in enumerate(zip(x, top))])
-        return out, probs, top
-
-
-def switch_step(model, batch):
-    """Cross-entropy plus Switch's load-balancing loss: 3 * sum over experts of (the share of the batch
-    routed there) x (the batch's mean router probability there). It couples the batch's samples."""
-    x, y = batch
-    out, probs, top = model(x)
-    share = F.one_hot(top, 3).to(probs.dtype).mean(0)
-    return F.cross_entropy(out, y) + 3 * (share * probs.mean(0)).sum()
 
 
 def test_a_load_balancing_loss_that_looked_like_a_mean_is_stopped_at_its_first_step():

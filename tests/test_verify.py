@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from helpers import EXACT, SmallConvNet, assert_exact, plain_batches, tiny_dataset, worker_slices
+from helpers import SmallConvNet, SwitchLayer, assert_exact, plain_batches, switch_step, tiny_dataset, worker_slices
 from sn_trainer import NotExact, Trainer
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,32 +112,6 @@ def test_a_model_that_depends_on_its_batchs_padding_stops_or_is_like_ddp_with_co
 
 # --- a loss that splits at first and stops splitting later --------------------------------------
 
-class SwitchLayer(nn.Module):
-    """A router and 3 experts, each sample sent to its top expert (Switch Transformer's routing)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.router = nn.Linear(4, 3)
-        self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
-        with torch.no_grad():  # a large first input sends a sample to expert 0, by far
-            self.router.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 1, 0, 0], [-1.0, 0, 1, 0]]))
-
-    def forward(self, x):
-        probs = self.router(x).softmax(-1)
-        top = probs.argmax(-1)
-        out = torch.stack([self.experts[int(e)](row) * probs[i, e] for i, (row, e) in enumerate(zip(x, top))])
-        return out, probs, top
-
-
-def switch_step(model, batch):
-    """Cross-entropy plus Switch's load-balancing loss over the batch: it couples the batch's samples."""
-    x, y = batch
-    out, probs, top = model(x)
-    share = F.one_hot(top, 3).to(probs.dtype).mean(0)
-    return F.cross_entropy(out, y) + 3 * (share * probs.mean(0)).sum()
-
-
 def collapsed_then_spread(n: int = 160, spread_from: int = 104) -> TensorDataset:
     """Rows that all go to expert 0 (a first input of 10), then from ``spread_from`` on rows that
     spread over the experts, but at the rows the loss probe reads (8, spread over the set)."""
@@ -156,7 +130,7 @@ def test_a_loss_that_stops_splitting_is_caught_within_the_verifications_gap():
     """Global batches 1-13 all go to expert 0, where the load-balancing term splits as a mean; from
     step 14 on they spread. Verified every 4 steps, step 16 is the first checked one that differs:
     the run stops there before its update, and says steps 13 to 15 went unverified."""
-    model = SwitchLayer().double()
+    model = SwitchLayer(collapsing=True).double()
     with pytest.raises(NotExact) as stopped:
         Trainer(workers=2, batch_size=8, max_steps=20, seed=1, shuffle=False, verify_every=4).fit(
             model, collapsed_then_spread(), optimizer=SGD, step_fn=switch_step)

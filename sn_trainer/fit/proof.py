@@ -190,7 +190,7 @@ def plain_fit(model: nn.Module, train_set: Any, settings: TrainerConfig, loss_fo
         random_state.seed(settings.seed * 1000)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = count = 0.0
+            count = 0.0
             for micro in range(settings.accumulate):
                 batch, samples = source.micro_batch(step, micro)
                 if samples == 0:
