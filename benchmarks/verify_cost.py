@@ -1,13 +1,15 @@
 """What verifying "exact" on the run costs: training with and without it, side by side.
 
 Where a run splits its batches, worker 0 compares steps with what one process computes on the same
-global batch (``sn_trainer.engine.step.verification``): the global batch's forward and backward on every
-core of the node (the other workers sleep meanwhile), the optimizer's step from the gathered
-state, and the comparisons. Per case, runs of ``--steps`` steps alternate, ``--rounds`` times,
-between verify_every at its default (every 100th step, the first and the last) and 0 (never); a
-run with verify_every=1 (every step) gives what one check costs against a step. The ratio of the
-medians is the overhead of a run of that many steps; a check's cost in steps projects it to any
-length and to any verify_every.
+global batch (``sn_trainer.engine.step.verification``): the global batch read again, its forward
+and backward on every core of the node (the other workers sleep meanwhile), the optimizer's step
+from the gathered state, and the comparisons. Per case, runs of ``--steps`` steps alternate,
+``--rounds`` times, between verify_every at its default (every 100th step, the first and the last)
+and 0 (never). Two figures: the ratio of the two kinds' median times, which a shared machine's
+drift between runs moves by several percent; and, inside each verified run, how much longer its
+verified steps took than its median step (every step's time from a progress record a step),
+against the run's time: the cost itself, free of that drift. A check's seconds against a step's
+give the cost of any length and verify_every.
 
     python benchmarks/verify_cost.py [--rounds 3] [--steps 1000] [--workers 2]
 """
@@ -51,14 +53,20 @@ def case_inputs(name: str, shape, batch: int):
 
 
 def run(case: tuple, steps: int, every: int, workers: int) -> dict:
+    """One run: its time, and each step's seconds (a progress record every step), split into the
+    verified steps' and the others'."""
     name, shape, batch, _ = case
     model, data, step_fn = case_inputs(name, shape, batch)
     result = Trainer(workers=workers, threads=1, batch_size=batch, max_steps=steps, seed=0, verify_every=every,
-                     measure_after=0, log_every=10**9).fit(
+                     measure_after=0, log_every=1).fit(
         model, data, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), step_fn=step_fn)
-    return {"seconds": result.train_seconds, "checks": len(result.verified_steps),
-            "verify_s": result.stage_seconds_per_worker[0]["verify"], "other_cpu_percent": result.other_cpu_percent,
-            "exactness": result.plan["exactness"]}
+    seconds = {r["step"]: batch / r["samples_per_sec"] for r in result.history if "samples_per_sec" in r}
+    verified = set(result.verified_steps)
+    usual = statistics.median(t for s, t in seconds.items() if s not in verified and s != 1)
+    extra = [seconds[s] - usual for s in sorted(verified) if s != 1]
+    return {"seconds": result.train_seconds, "checks": len(verified), "step_s": usual, "extra_s": extra,
+            "first_s": seconds[1],
+            "other_cpu_percent": result.other_cpu_percent, "exactness": result.plan["exactness"]}
 
 
 def main() -> None:
@@ -75,39 +83,48 @@ def main() -> None:
     for label in [c.strip() for c in args.cases.split(",")]:
         case = CASES[label]
         steps = max(2, round(args.steps * case[3]))
-        every_step = max(2, steps // 4)  # a shorter run, every step checked
-        on, off, each = [], [], []
+        on, off = [], []
         for _ in range(args.rounds):  # alternated, so that drift on a shared machine hits both alike
             on.append(run(case, steps, DEFAULT_EVERY, args.workers))
             off.append(run(case, steps, 0, args.workers))
-            each.append(run(case, every_step, 1, args.workers) | {"steps": every_step})
-        step_s = statistics.median(r["seconds"] for r in off) / steps
-        check_s = statistics.median((e["seconds"] - step_s * e["steps"]) / e["checks"] for e in each)
-        overhead = statistics.median(r["seconds"] for r in on) / statistics.median(r["seconds"] for r in off) - 1
+        step_s = statistics.median(r["step_s"] for r in on)
+        first_s = statistics.median(r["first_s"] for r in off)  # a first step's own warm-up, checked or not
+        for r in on:
+            r["extra_s"].insert(0, r["first_s"] - first_s)
+        check_s = statistics.median(sum(r["extra_s"]) / r["checks"] for r in on)  # the first check's included
+        share = statistics.median(sum(r["extra_s"]) / r["seconds"] for r in on)
+        ratio = statistics.median(r["seconds"] for r in on) / statistics.median(r["seconds"] for r in off) - 1
         rows[label] = {"steps": steps, "step_s": step_s, "check_s": check_s, "checks": on[0]["checks"],
-                       "overhead": overhead, "on": on, "off": off, "every_step": each}
+                       "share": share, "ratio": ratio, "on": on, "off": off}
         print(f"{label}: step {step_s * 1e3:.1f} ms, a check {check_s * 1e3:.1f} ms ({check_s / step_s:.2f} steps); "
-              f"{steps} steps with verify_every={DEFAULT_EVERY} ({on[0]['checks']} checks): {overhead:+.1%}",
+              f"{steps} steps, {on[0]['checks']} checks: verifying {share:.1%} of the run; on/off {ratio:+.1%}",
               flush=True)
     machine = harness.describe()
     checks = {n: len(Schedule(DEFAULT_EVERY, 0, n - 1).steps()) for n in (1000, 10000)}
+    others = max((r["other_cpu_percent"] or 0.0) for row in rows.values() for r in row["on"] + row["off"])
     lines = ["# What verifying \"exact\" on the run costs", "",
              f"{harness.machine_line(machine)} `{harness.command()}`: {args.workers} workers, one thread each, "
              f"synthetic data, SGD momentum 0.9, {args.rounds} rounds alternating runs with verify_every="
-             f"{DEFAULT_EVERY} (the default: the first step, every {DEFAULT_EVERY}th, the last) and 0; a run with "
-             "verify_every=1 gives one check's cost. Medians. The default checks "
-             f"{checks[1000]} steps of 1,000 and {checks[10000]} of 10,000. Load average at the start: {load:.2f} on "
-             f"{os.cpu_count()} CPUs" + (" (other processes were running)." if load > 0.5 else "."), "",
-             f"| case | steps | a step | a check | a check, in steps | measured: {DEFAULT_EVERY} vs 0 | "
-             "projected: 1,000 steps | projected: 10,000 steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{DEFAULT_EVERY} (the default: the first step, every {DEFAULT_EVERY}th, the last) and 0. Medians. "
+             "\"Verifying\" is how much longer the verified steps of a verified run took than its median step "
+             "(each step timed by a progress record), against the run's time: the cost, free of the drift between "
+             "runs that moves the on/off ratio of whole runs. A check is that over the run's checks (the first "
+             "pays once for the global batch's new kernel shapes: its step against the unverified runs' first); "
+             "the default checks "
+             f"{checks[1000]} steps of 1,000 and {checks[10000]} of 10,000. "
+             f"Load average at the start: {load:.2f} on {os.cpu_count()} CPUs; other processes took up to "
+             f"{others:.0f}% of the CPU during a run" + (" (the machine was shared)." if others > 5 else "."), "",
+             "| case | steps | a step | a check | a check, in steps | verifying, of the run | on/off, whole runs "
+             "| projected: 10,000 steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, row in rows.items():
-        ratio = row["check_s"] / row["step_s"]
+        in_steps = row["check_s"] / row["step_s"]
         lines.append(f"| {label} | {row['steps']} | {row['step_s'] * 1e3:.1f} ms | {row['check_s'] * 1e3:.1f} ms | "
-                     f"{ratio:.2f} | {row['overhead']:+.1%} | {ratio * checks[1000] / 1000:.1%} | "
-                     f"{ratio * checks[10000] / 10000:.1%} |")
+                     f"{in_steps:.2f} | {row['share']:.1%} | {row['ratio']:+.1%} | "
+                     f"{in_steps * checks[10000] / 10000:.1%} |")
     harness.write(harness.out_of(args, RESULT),
                   {"machine": machine, "rounds": args.rounds, "workers": args.workers, "verify_every": DEFAULT_EVERY,
-                   "rows": rows, "checks_in": checks, "load_average": load, "command": harness.command()},
+                   "rows": rows, "checks_in": checks, "load_average": load, "other_cpu_percent": others,
+                   "command": harness.command()},
                   "\n".join(lines))
 
 

@@ -29,7 +29,7 @@ from ..engine.memory.layout import trainable_parameters
 from ..engine.memory.state import group_params
 from ..engine.step.objective import TOKEN_FORMS, Objective, Precision
 from ..engine.step.schedule import Schedule
-from ..engine.step.verification import tolerances
+from ..engine.step.reference import tolerances
 from ..errors import ConfigError, NotExact
 from ..optim import resolve_groups
 

@@ -36,7 +36,8 @@ from .board import Board, StepTotals, digest_terms, one_digest
 from .gather import Gathering, Refusing, StepGathering, gathering
 from .objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
-from .verification import Bell, Peers, Reference, Verification
+from .reference import Reference
+from .verification import Bell, Peers, Verification
 
 
 @dataclass
