@@ -9,6 +9,8 @@ update that overflowed the parameters ended in a bare RuntimeError.
 import contextlib
 import copy
 import csv
+import errno
+import fcntl
 import functools
 import logging
 import os
@@ -52,10 +54,21 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path)
     assert CheckpointDir(tmp_path).latest().name == "step-000000015.pt"
 
 
+HOLDS_THE_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, str(os.getpid()).encode())
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_folder_another_live_run_writes_is_refused_and_a_dead_ones_taken_over(tmp_path):
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    live = subprocess.Popen([sys.executable, "-c", HOLDS_THE_LOCK, str(tmp_path / CheckpointDir.LOCK)],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        (tmp_path / CheckpointDir.LOCK).write_text(str(live.pid))
+        assert live.stdout.readline() == "held\n"
         with pytest.raises(CheckpointError, match=f"is being written by another run \\(process {live.pid}\\); give "
                                                   "this run a checkpoint directory of its own"):
             fit(tmp_path, 4, 2)
@@ -66,6 +79,81 @@ def test_a_folder_another_live_run_writes_is_refused_and_a_dead_ones_taken_over(
     # The same lock, its process gone: taken over, and let go at the end.
     result = fit(tmp_path, 4, 2)
     assert result.last_checkpoint is not None and not (tmp_path / CheckpointDir.LOCK).exists()
+
+
+@pytest.fixture
+def someone_elses_process():
+    """A live process that is no run: a killed run's pid given to another program."""
+    process = subprocess.Popen(["sleep", "120"])
+    yield process.pid
+    process.kill()
+    process.wait()
+
+
+def test_a_lock_nobody_flocks_is_taken_over_whatever_process_has_its_pid_now(tmp_path, someone_elses_process):
+    """A killed run's pid reused by another program, and pid 1 left by a run in another container, own
+    nothing: the flock decides."""
+    lock = tmp_path / CheckpointDir.LOCK
+    for pid in (someone_elses_process, 1):
+        lock.write_text(str(pid))
+        with CheckpointDir(tmp_path).claimed():
+            assert lock.read_text().split("\n")[0] == str(os.getpid())
+        assert not lock.exists()
+
+
+def test_a_file_system_without_hard_links_claims_in_place_and_stays_exclusive(tmp_path, monkeypatch,
+                                                                             someone_elses_process):
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted", str(source))
+
+    monkeypatch.setattr(os, "link", no_links)
+    folder, lock = CheckpointDir(tmp_path), tmp_path / CheckpointDir.LOCK
+    with folder.claimed():
+        with pytest.raises(CheckpointError, match=f"another run \\(process {os.getpid()}\\)"):
+            with CheckpointDir(tmp_path).claimed():  # another open of the file: flock() tells them apart
+                pass
+    assert not lock.exists() and list(tmp_path.iterdir()) == []
+    lock.write_text(str(someone_elses_process))  # left by a killed run
+    with folder.claimed():
+        assert lock.read_text().split("\n")[0] == str(os.getpid())
+    assert race_for_the_lock(tmp_path, racers=2, rounds=300).count(1) == 300  # forked racers keep the patch
+
+
+@pytest.fixture
+def no_flock(monkeypatch):
+    real = fcntl.flock
+
+    def unsupported(fd, operation):
+        if operation & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+
+
+def test_without_flock_the_locks_process_decides_where_this_machine_can_tell(tmp_path, no_flock,
+                                                                             someone_elses_process):
+    import psutil
+
+    from sn_trainer.checkpoint.files import _identity_fields
+
+    lock, mine = tmp_path / CheckpointDir.LOCK, _identity_fields()
+    here = f"boot={mine['boot']} pidns={mine['pidns']}"
+    running = repr(psutil.Process(someone_elses_process).create_time())
+    lock.write_text(f"{someone_elses_process}\n{here} start={running}\n")
+    with pytest.raises(CheckpointError, match=f"another run \\(process {someone_elses_process}\\)"):
+        with CheckpointDir(tmp_path).claimed():
+            pass
+    lock.write_text(f"{someone_elses_process}\n{here} start=12.5\n")  # its pid, another process: taken over
+    with CheckpointDir(tmp_path).claimed():
+        pass
+    lock.write_text(f"1\nboot=another pidns=1 start=12.5\n")  # another machine or container: cannot tell
+    with pytest.raises(CheckpointError, match=r"may be written by a run on another machine or container \(process "
+                                              r"1 there; this file system has no flock\(\) to tell\); if none is, "
+                                              r"delete .*\.lock$"):
+        with CheckpointDir(tmp_path).claimed():
+            pass
+    assert lock.read_text() == "1\nboot=another pidns=1 start=12.5\n"  # refused: left as found
 
 
 def _claim_in_rounds(folder, me, racers, rounds, dead_pid, barrier, outcomes):
@@ -140,7 +228,7 @@ def test_a_run_killed_while_a_child_it_forked_lives_leaves_a_lock_the_next_run_t
         os.kill(run, signal.SIGKILL)
         os.waitpid(run, 0)
         with CheckpointDir(tmp_path).claimed():  # the child lives on, and the lock is the next run's
-            assert (tmp_path / CheckpointDir.LOCK).read_text() == str(os.getpid())
+            assert (tmp_path / CheckpointDir.LOCK).read_text().split("\n")[0] == str(os.getpid())
     finally:
         for pid in (run, child):
             with contextlib.suppress(ProcessLookupError):

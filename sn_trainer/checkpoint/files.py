@@ -66,15 +66,19 @@ class CheckpointDir:
     def claimed(self):
         """This process writes the directory while the block runs; no other run may.
 
-        The lock is ``.lock`` naming this process, flock()ed for as long as the block runs. It is
-        written whole and locked before it takes its name (a hard link, which fails where the
-        name exists), so a second run never reads a lock half-made; one whose run is gone (no
-        flock on it, and the process it names dead or this one) is replaced while flock()ed by
-        the run replacing it, so two runs finding it at once cannot both take it over. The
-        kernel lets go of a killed run's flock: SIGKILL leaves a lock the next run takes over.
+        The lock is ``.lock`` naming this process, flock()ed for as long as the block runs: the
+        flock alone says whether a run owns the folder (the kernel lets go of a killed run's
+        flock, whatever PID namespace or machine it ran in, and whatever process has its pid
+        now). It is written whole and locked before it takes its name (a hard link, which fails
+        where the name exists), so a second run never reads a lock half-made; one nobody
+        flock()s is replaced while flock()ed by the run replacing it, so two runs finding it at
+        once cannot both take it over. On a file system without hard links the lock is created
+        under its name and taken over in place, flock()ed all the while. On one without flock()
+        the lock's process decides, where this machine can tell (same boot, same PID namespace,
+        same start time); elsewhere the run is refused with what to do.
 
         Raises:
-            CheckpointError: another live process is writing checkpoints here.
+            CheckpointError: another live process is writing checkpoints here, or may be.
         """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock = self.path / self.LOCK
@@ -95,7 +99,7 @@ class CheckpointDir:
         fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         _HELD.add(fd)
         try:
-            os.write(fd, str(os.getpid()).encode())
+            os.write(fd, _identity().encode())
             _flock(fd)  # a fresh file: no one else can hold it
             while True:
                 try:
@@ -104,6 +108,11 @@ class CheckpointDir:
                 except FileExistsError:
                     if self._take_over(lock, mine):
                         return fd
+        except OSError as exc:
+            _release(fd)
+            if exc.errno in _NO_HARD_LINKS:
+                return self._take_in_place(lock)
+            raise
         except BaseException:
             _release(fd)
             raise
@@ -111,28 +120,80 @@ class CheckpointDir:
             mine.unlink(missing_ok=True)
 
     def _take_over(self, lock: Path, mine: Path) -> bool:
-        """Put ``mine`` in place of the lock found, where its run is gone; False: the lock went
+        """Put ``mine`` in place of the lock found, where no run owns it; False: the lock went
         or changed meanwhile (try again).
 
         Raises:
-            CheckpointError: a live run holds it.
+            CheckpointError: a live run owns it, or may.
         """
         try:
             found = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         try:
-            held = not _flock(found)
+            locked = _flock(found)
             if not _same_file(found, lock):
                 return False
-            holder = _pid_in(found)
-            if held or (holder is not None and holder != os.getpid() and psutil.pid_exists(holder)):
-                raise CheckpointError(f"{self.path} is being written by another run (process {holder}); give "
-                                      "this run a checkpoint directory of its own")
+            self._refuse_if_owned(found, locked)
             os.replace(mine, lock)  # while this process holds the one it replaces: no other can do the same
             return True
         finally:
             os.close(found)
+
+    def _take_in_place(self, lock: Path) -> int:
+        """The lock where the file system makes no hard links: created under its name (O_EXCL) and
+        flock()ed, or, found unowned, flock()ed and rewritten in place. A run that created it and
+        finds it flock()ed by another before its own flock lost the race, and is refused."""
+        while True:
+            try:
+                fd, created = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(lock, os.O_RDWR | os.O_CLOEXEC), False
+                except FileNotFoundError:
+                    continue
+            _HELD.add(fd)
+            try:
+                locked = _flock(fd)
+                if not _same_file(fd, lock):
+                    _release(fd)
+                    continue
+                if not created or locked is False:
+                    self._refuse_if_owned(fd, locked)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, _identity().encode(), 0)
+                return fd
+            except BaseException:
+                _release(fd)
+                raise
+
+    def _refuse_if_owned(self, fd: int, locked: bool | None) -> None:
+        """Raise where the lock open at ``fd`` is owned: flock()ed by another (``locked`` False), or,
+        where the file system has no flock() (``locked`` None), named by a process that runs or may."""
+        owner = _owner_in(fd)
+        holder = owner.get("pid")
+        refused = CheckpointError(f"{self.path} is being written by another run (process {holder}); give this run "
+                                  "a checkpoint directory of its own")
+        if locked is False:
+            raise refused
+        if locked:
+            return  # flock()ed now by this process: nobody owned it
+        if holder is None:
+            if owner:  # written, unreadable, on a file system with nothing else to go by
+                raise CheckpointError(f"{self.path / self.LOCK} names no process and this file system has no "
+                                      "flock(); if no run is writing this folder, delete that file")
+            raise CheckpointError(f"{self.path / self.LOCK} is being made by another run (this file system has no "
+                                  "flock()); if no run is writing this folder, delete that file")
+        mine = _identity_fields()
+        if holder == os.getpid() and owner.get("start") == mine["start"]:
+            return
+        here = owner.get("boot") == mine["boot"] and owner.get("pidns") == mine["pidns"]
+        if not here and "boot" in owner:
+            raise CheckpointError(f"{self.path} may be written by a run on another machine or container (process "
+                                  f"{holder} there; this file system has no flock() to tell); if none is, delete "
+                                  f"{self.path / self.LOCK}")
+        if _runs(holder, owner.get("start")):
+            raise refused
 
     def check_writable(self) -> None:
         """Fail before training rather than at the first checkpoint.
@@ -200,17 +261,56 @@ class CheckpointDir:
             stale.unlink(missing_ok=True)
 
 
-def _pid_in(fd: int) -> int | None:
-    """The process a lock file names (None: it names none)."""
+# What link() says on a file system that makes no hard links (vfat, exFAT, some FUSE and SMB mounts).
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+
+
+def _identity_fields() -> dict[str, Any]:
+    """This process as a lock names it: its pid, and what tells it from another with that pid (this
+    boot, this PID namespace, its start time)."""
+    fields: dict[str, Any] = {"pid": os.getpid(), "start": repr(psutil.Process().create_time())}
+    with contextlib.suppress(OSError):
+        fields["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        fields["pidns"] = str(os.stat("/proc/self/ns/pid").st_ino)
+    return fields
+
+
+def _identity() -> str:
+    """The lock's text: the pid on its first line, the rest as key=value."""
+    fields = _identity_fields()
+    return f"{fields.pop('pid')}\n" + " ".join(f"{key}={value}" for key, value in fields.items()) + "\n"
+
+
+def _owner_in(fd: int) -> dict[str, Any]:
+    """What a lock file says of its process ({} where it is empty; no "pid" where it names none)."""
     try:
-        return int(os.pread(fd, 32, 0).decode().strip())
-    except (OSError, ValueError):
-        return None
+        text = os.pread(fd, 512, 0).decode()
+    except (OSError, UnicodeDecodeError):
+        return {"unreadable": True}
+    if not text.strip():
+        return {}
+    first, _, rest = text.partition("\n")
+    owner: dict[str, Any] = dict(field.split("=", 1) for field in rest.split() if "=" in field)
+    try:
+        owner["pid"] = int(first.strip())
+    except ValueError:
+        owner["unreadable"] = True
+    return owner
 
 
-def _flock(fd: int) -> bool:
-    """Lock ``fd``'s file for this open description; False where another holds it. A file system
-    without flock() locks nothing: True (a lock is then only as exclusive as its process is alive)."""
+def _runs(pid: int, start: str | None) -> bool:
+    """Whether process ``pid`` of this machine runs, and is the one that started at ``start`` (where said)."""
+    try:
+        return start is None or repr(psutil.Process(pid).create_time()) == start
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # it runs; whether it is that one, this process cannot read
+        return True
+
+
+def _flock(fd: int) -> bool | None:
+    """Lock ``fd``'s file for this open description: True; False where another holds it; None on a file
+    system without flock(), which locks nothing."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -218,7 +318,7 @@ def _flock(fd: int) -> bool:
         return False
     except OSError as exc:
         if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            return True
+            return None
         raise
 
 
