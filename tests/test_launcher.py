@@ -391,3 +391,25 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+KILLED_RANK = """
+import datetime, os, signal, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+total = torch.ones(1000)
+for step in range(200):
+    if dist.get_rank() == 1 and step == 50:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(total)
+    total /= 3
+"""
+
+
+def test_torchruns_failure_summary_names_the_rank_that_died_under_cpu_backend_sn(tmp_path):
+    """The survivors see rank 1's death within milliseconds; the agent, which names the first rank it finds
+    ended, must still find rank 1 first (here it looks once a second: the survivors have long raised)."""
+    script = write(tmp_path, "killed.py", KILLED_RANK)
+    code, out, err = launch(["--nproc-per-node=3", "--no-pin", "--monitor-interval=1", "--cpu-backend=sn", str(script)], tmp_path)
+    assert code == 1
+    root_cause = err.split("Root Cause", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, err[-3000:]

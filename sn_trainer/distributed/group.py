@@ -12,8 +12,11 @@ import datetime
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
@@ -36,6 +39,10 @@ GLOO_OPERATIONS = ("send", "recv", "recv_anysource", "gather", "gather_single", 
                    "reduce", "reduce_scatter", "alltoall", "alltoall_base", "all_to_all_single",
                    "allgather_coalesced", "monitored_barrier")
 _OPS = {getattr(dist.ReduceOp, name): name for name in OPS}
+# Under torchrun, how long a rank that found a peer dead waits for the agent to collect it (torchrun looks
+# every --monitor-interval, 0.1 s by default) before it raises.
+AGENT_REAPS_S = 10.0
+DYING_S = 1.0  # how long a killed process takes to end, at most
 
 
 _FINISHED = threading.Event()  # the done event of every work run in its caller's thread
@@ -240,6 +247,8 @@ class SnBackend(C10dBackend):
         else:  # in each machine's shared memory, then between the machines over gloo
             self._collectives = AcrossMachines(store, rank, size, timeout, machines, SLOT_BYTES)
         self._group = self._collectives.group
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's agent
+            self._group.before_naming_gone = _reaped_by_the_agent
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         self._handed_to_gloo: set[str] = set()
         self._channel = _Channel()
@@ -379,6 +388,31 @@ class SnBackend(C10dBackend):
 
     def __repr__(self) -> str:
         return f"SnBackend(rank={self._rank}, size={self._size}, pid={os.getpid()})"
+
+
+def _reaped_by_the_agent(pid: int, message: str) -> None:
+    """Say ``message`` on stderr, and return once the parent of dead rank ``pid``, where it is this rank's
+    parent too (torchrun's agent), has collected its exit; ``AGENT_REAPS_S`` at most, and ``DYING_S`` where
+    the process does not end (a rank that left the group and runs on). The agent stops this rank meanwhile.
+
+    The agent names as the run's root cause the first rank it finds ended (by whole seconds, then by local
+    rank): a survivor that raised at once, within milliseconds of the death, could end before the agent's
+    next look and be named instead of the rank that died.
+    """
+    started = time.monotonic()
+    try:
+        peer = psutil.Process(pid)
+        if peer.ppid() != os.getppid():  # not a sibling (another machine's pid, another namespace's)
+            return
+        print(message, file=sys.stderr, flush=True)
+        while True:  # a process's end and its reaping have no event another process can wait on
+            waited = time.monotonic() - started
+            if waited > AGENT_REAPS_S or (waited > DYING_S and peer.status() != psutil.STATUS_ZOMBIE):
+                return
+            time.sleep(0.002)
+            peer.status()  # raises once it is reaped
+    except psutil.Error:  # reaped, or gone
+        return
 
 
 def _handed_to_gloo(name: str):

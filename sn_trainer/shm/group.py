@@ -62,6 +62,9 @@ class Group:
         self._lines[rank, _PID] = os.getpid()
         self._lines[rank, _NATIVE] = self._lib is not None
         self._lock = threading.Lock()  # fail() from another thread against this rank's own arrival
+        # Called with a dead rank's pid and what this rank will raise, before it raises it (the "sn"
+        # backend's, under an agent that names the first rank it sees end).
+        self.before_naming_gone = None
         self.barrier("the group's start", native_path=False)
         if not self._lines[:, _NATIVE].all():  # one path for the whole group: the same protocol, the same bits
             self._lib = None
@@ -151,8 +154,11 @@ class Group:
             self.fail(f"sn: rank {self.rank} stops in {what}: rank {culprit} broke the group ({self.reason(culprit)})")
         if status == GONE:
             pid = int(self._lines[culprit, _PID])
-            self.fail(f"sn: rank {culprit} (pid {pid}) ended before {what}; rank {self.rank} stops: the group "
-                      "cannot continue without it")
+            message = (f"sn: rank {culprit} (pid {pid}) ended before {what}; rank {self.rank} stops: the group "
+                       "cannot continue without it")
+            if self.before_naming_gone is not None:
+                self.before_naming_gone(pid, message)
+            self.fail(message)
         if status == TIMEOUT:
             late = [r for r in range(self.world) if 0 <= self._lines[r, _ARRIVAL] < self.state.generation]
             self.fail(f"sn: rank {self.rank} waited {self.timeout_s:g} s for rank(s) "
