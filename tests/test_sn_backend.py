@@ -94,9 +94,46 @@ def checks(rank: int, size: int, group, gloo_group) -> dict:
                                        group=group)
             got[("reduce_scatter", dtype, op)] = scattered
     got.update(odd_shapes(rank, group))
+    for dtype in FLOATS:
+        for op in NAN_OPS:
+            for name, on in (("sn", group), ("gloo", gloo_group)):
+                tensor = nan_inputs(rank, dtype)
+                dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=on)
+                got[("nan", name, dtype, op)] = tensor
     dist.barrier(group=group)
     got["ddp sn"], got["ddp gloo"] = ddp_steps(rank, group), ddp_steps(rank, gloo_group)
     return got
+
+
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+NAN_OPS = ["SUM", "PRODUCT", "MIN", "MAX"]
+
+
+def nan_inputs(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """NaN on every rank (first), on rank 0 alone (second), -NaN on every rank (third), then numbers."""
+    values = torch.full((40,), 1.5 + rank, dtype=dtype)
+    values[0] = float("nan")
+    values[1] = float("nan") if rank == 0 else 2.0
+    values[2] = -torch.tensor(float("nan"), dtype=dtype)
+    return values
+
+
+def check_nans(ranks: list[dict]) -> None:
+    """NaNs as gloo writes them where every rank holds the same NaN, and every NaN the dtype's quiet NaN
+    (torch's vector kernels write payloads of their own: all ones in bfloat16 here, in float32 on AVX-512)."""
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}
+    quiet = {torch.float64: 0x7FF8000000000000, torch.float32: 0x7FC00000, torch.float16: 0x7E00,
+             torch.bfloat16: 0x7FC0}
+    for dtype in FLOATS:
+        for op in NAN_OPS:
+            sn, gloo = ranks[0][("nan", "sn", dtype, op)], ranks[0][("nan", "gloo", dtype, op)]
+            same = [0] if op in ("MIN", "MAX") else [0, 2]  # gloo's MIN of -NaNs is one of them, sn's the quiet NaN
+            assert bitwise(sn[same], gloo[same]), (dtype, op, sn[:3], gloo[:3])
+            nan = torch.isnan(sn)
+            assert bool(nan[:2].all()) and not bool(nan[3:].any()), (dtype, op, sn)
+            payload = sn.view(bits[dtype])[nan].long() & ((1 << (8 * dtype.itemsize - 1)) - 1)  # the sign dropped
+            assert payload.tolist() == [quiet[dtype]] * int(nan.sum()), (dtype, op, [hex(v) for v in payload.tolist()])
 
 
 def odd_shapes(rank: int, group) -> dict:
@@ -232,6 +269,7 @@ def test_every_collective_is_exact_and_bitwise_equal_on_every_rank_and_ddp_train
         check_reductions(ranks, size)
         check_movements(ranks, size)
         check_odd_shapes(ranks, size)
+        check_nans(ranks)
         plain = plain_steps(size)
         for rank in range(size):
             for sn, gloo, reference in zip(ranks[rank]["ddp sn"], ranks[rank]["ddp gloo"], plain):

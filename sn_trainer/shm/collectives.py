@@ -51,11 +51,11 @@ def reduce_problem(dtype: torch.dtype, op: str) -> str | None:
 
 def combine(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
     """``out`` = rows[0] op rows[1] op ... op rows[W-1], in that order (``out`` may be ``rows[0]``)."""
-    step, count = _IN_PLACE[op], rows.shape[0]
-    if rows.dtype in (torch.float16, torch.bfloat16):
-        acc = rows[0].float()
+    step, count, halves = _IN_PLACE[op], rows.shape[0], rows.dtype in (torch.float16, torch.bfloat16)
+    if halves:
+        acc = _widened(rows[0])
         for row in rows[1:]:
-            step(acc, row.float())
+            step(acc, _widened(row))
     else:
         acc = out
         if op in ("SUM", "AVG") and rows.shape[0] > 1 and out.data_ptr() != rows[1].data_ptr():
@@ -69,6 +69,39 @@ def combine(rows: torch.Tensor, out: torch.Tensor, op: str) -> None:
         acc.div_(count)
     if acc is not out:
         out.copy_(acc)
+    if out.dtype.is_floating_point and (halves or op in ("MIN", "MAX")):
+        _canonical_nans(out, acc, op)
+
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+_QUIET_NAN = {torch.float64: 0x7FF8000000000000, torch.float32: 0x7FC00000, torch.float16: 0x7E00,
+              torch.bfloat16: 0x7FC0}
+
+
+def _widened(half: torch.Tensor) -> torch.Tensor:
+    """A float16 or bfloat16 row in float32, NaNs keeping their sign (torch's conversion drops it; the C
+    core's and gloo's keep it)."""
+    wide = half.float()
+    nan = torch.isnan(wide)
+    if bool(nan.any()):
+        negative = half.view(torch.int16) < 0
+        wide = torch.where(nan & negative, -torch.abs(wide), wide)
+    return wide
+
+
+def _canonical_nans(out: torch.Tensor, wide: torch.Tensor, op: str) -> None:
+    """NaNs as the C core and gloo write them (torch's vector kernels write their own payloads, all ones on
+    some CPUs): MIN and MAX the quiet NaN; otherwise, in float16 the quiet NaN with the float32 result's
+    (``wide``) sign, in bfloat16 the quiet NaN (float32 and float64 keep the hardware's NaN)."""
+    nan = torch.isnan(out)
+    if not bool(nan.any()):
+        return
+    bits = out.view(_BITS[out.dtype])
+    quiet = torch.tensor(_QUIET_NAN[out.dtype], dtype=torch.int64).to(bits.dtype)
+    if out.dtype == torch.float16 and op not in ("MIN", "MAX"):
+        quiet = torch.where(torch.signbit(wide), quiet | -0x8000, quiet)
+    bits.copy_(torch.where(nan, quiet, bits))
 
 
 class Collectives:
