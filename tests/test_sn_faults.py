@@ -57,6 +57,9 @@ def at_two(rank: int, world: int, store_path: str, out_dir: str, events) -> None
     got["op"] = caught(lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM,
                                                group=group))
     got.update(wait_given_up(rank, events))
+    for path in ("C core", "Python path"):
+        got.update(broken_after_it_passed(rank, path))
+        got.update(different_collectives_meet(rank, path))
     got.update(timed_out_on_one(rank, events))
     tensor = torch.full((4,), float(rank))  # in the default group, where torch checks no root itself
     got["root"] = caught(lambda: dist.broadcast(tensor, src=5 if rank == 0 else 0))
@@ -86,6 +89,60 @@ def wait_given_up(rank: int, events) -> dict:
         tensor = torch.full((3,), 5.0)
         got["after the wait"] = caught(lambda: dist.all_reduce(tensor, group=group))
         got["after the wait tensor"] = tensor.tolist()
+    return got
+
+
+def on_path(path: str):
+    """A fresh group on the C core or on the Python path (the choice is read as each group is made)."""
+    os.environ["SN_TRAINER_NATIVE"] = "1" if path == "C core" else "0"
+    group = fresh()
+    os.environ.pop("SN_TRAINER_NATIVE")
+    return group, group._get_backend(torch.device("cpu"))._group
+
+
+def broken_after_it_passed(rank: int, path: str) -> dict:
+    """Rank 0 waits in an all-reduce's barrier, stopped (SIGSTOP) by rank 1 once it has arrived; rank 1
+    passes the barrier, returns, and breaks the group (a refused call) before rank 0 runs again. Rank 0
+    must return from the all-reduce as rank 1 did, raise in its next call, and both go on in a new group."""
+    group, shm, got = *on_path(path), {}
+    tensor = torch.full((3,), float(rank + 1))
+    if rank == 1:
+        generation = shm.state.generation + 1
+        while shm._lines[0, 0] < generation:  # rank 0 has arrived, and cannot pass without rank 1
+            pass
+        peer = int(shm._lines[0, 2])
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            dist.all_reduce(tensor, group=group)
+            got[("refused", path)] = caught(lambda: dist.all_reduce(torch.zeros(2, dtype=torch.uint16), group=group))
+        finally:
+            os.kill(peer, signal.SIGCONT)
+    else:
+        got[("passed", path)] = caught(lambda: dist.all_reduce(tensor, group=group))
+        got[("next", path)] = caught(lambda: dist.all_reduce(torch.ones(2), group=group))
+    got[("sum", path)] = tensor.tolist()
+    again, tensor = on_path(path)[0], torch.full((2,), float(rank))
+    dist.all_reduce(tensor, group=again)
+    got[("again", path)] = tensor.tolist()
+    for made in (group, again):
+        dist.destroy_process_group(made)
+    return got
+
+
+def different_collectives_meet(rank: int, path: str) -> dict:
+    """Rank 1 waits in a barrier of its own (no collective) while rank 0 runs an all-reduce: the
+    barriers meet, and rank 0 must see that rank 1 is at another collective (its header is not this
+    collective's: none yet, or, as rank 1 has passed the barrier, its next one's), not sum whatever
+    rank 1's slot holds."""
+    group, shm, got = *on_path(path), {}
+    tensor = torch.full((3,), 2.0)
+    if rank == 0:
+        got[("met", path)] = caught(lambda: dist.all_reduce(tensor, group=group))
+    else:
+        got[("met", path)] = caught(lambda: shm.barrier("a barrier of its own"))
+    got[("met tensor", path)] = tensor.tolist()
+    got[("met, then", path)] = caught(lambda: dist.all_reduce(torch.ones(1), group=group))
+    dist.destroy_process_group(group)
     return got
 
 
@@ -151,6 +208,18 @@ def test_every_fault_at_two_ranks_raises_on_both_and_breaks_the_group(tmp_path):
     # Work.wait(timeout=2 s) gives up after 2 s (the group's timeout is 60 s); the late peer raises.
     assert "gave up waiting for its all_reduce after 2 s" in zero["wait"] and 2.0 <= zero["wait seconds"] < 10.0
     assert "gave up waiting" in one["after the wait"] and one["after the wait tensor"] == [5.0] * 3
+    for path in ("C core", "Python path"):
+        # Broken by a peer after it passed a barrier: passed here too, the next call raises, a new group works.
+        assert one[("refused", path)] and "uint16" in one[("refused", path)]
+        assert zero[("passed", path)] is None and zero[("sum", path)] == one[("sum", path)] == [3.0] * 3
+        assert "rank 1 broke the group" in zero[("next", path)] and "uint16" in zero[("next", path)]
+        assert zero[("again", path)] == one[("again", path)] == [1.0, 1.0]
+        # A collective's barrier met by a peer's barrier of another kind: a mismatch, named, no sum.
+        assert "the ranks called all_reduce differently (rank 0 (this one): collective #1 all_reduce SUM of " \
+               "float32[3]" in zero[("met", path)], zero[("met", path)]
+        assert zero[("met tensor", path)] == [2.0] * 3
+        assert "rank 0 broke the group" in zero[("met, then", path)]
+        assert one[("met, then", path)].startswith("CollectiveFailed: sn: ")
     # A collective that timed out on rank 1 is no collective for rank 0, arriving later with its own data.
     assert "rank 1 waited 2 s for rank(s) 0" in one["timed out"]
     assert "rank 1 broke the group" in zero["late"] and zero["late tensor"] == [1.0, 1.0]

@@ -133,10 +133,12 @@ class Collectives:
         if problem is not None:
             self.group.fail(f"sn: rank {self.rank} called {kind} with a bad argument: {problem}")
 
-    def _check(self, kind: str, index: int) -> None:
-        """Fail if a rank that wrote this collective's header wrote another than this rank's."""
+    def _check(self, kind: str, index: int, passed: bool) -> None:
+        """Fail if another rank's header differs from this rank's: after the barrier every rank ``passed``
+        (each wrote its header before it arrived), any rank's, its collective's number included (ranks at
+        different collectives, whose barriers met); else, of the ranks that wrote this collective's."""
         rows = self.group.headers[index % 2, :, :6]
-        written = rows[:, 0] == index + 1
+        written = (rows[:, 0] == index + 1) | passed
         if (rows[written] == rows[self.rank]).all():
             return
         described = "; ".join(f"rank {r}{' (this one)' if r == self.rank else ''}: {_describe(row)}"
@@ -150,7 +152,7 @@ class Collectives:
         when a peer found it first and broke the group."""
         mismatch_found = status == BROKEN and self.group.reason(self.group.state.culprit).startswith(_MISMATCH)
         if index is not None and (status in (OK, MISMATCH) or mismatch_found):
-            self._check(kind, index)
+            self._check(kind, index, passed=status in (OK, MISMATCH))
         self.group.check(status, kind)
 
     def _native_done(self, status: int, kind: str) -> None:

@@ -2,10 +2,11 @@
 liveness, and the group's broken state.
 
 A failure anywhere (a rank gone, a timeout, ranks that disagree, a bad argument, a wait given up)
-breaks the group for every rank: the rank that meets it writes why in its reason slot and sets its
-arrival to -1; every rank waiting in a barrier, now or later, sees that and raises with that reason.
-No rank completes a collective after a peer has given up on it: a peer's arrival is read once, and a
-broken rank's arrival never counts again.
+breaks the group for every rank: the rank that meets it writes why in its reason slot and makes its
+arrival negative (-1 - the last barrier it passed); every rank waiting in a barrier the broken rank had
+not passed, now or later, sees that and raises with that reason. A barrier it had passed, its peers pass
+too, so that no rank raises in a collective its peer returned from; and no rank completes a collective
+after a peer has given up on it: a peer's arrival is read once, and a broken rank never arrives again.
 """
 from __future__ import annotations
 
@@ -116,16 +117,20 @@ class Group:
         """The Python twin of native.c's sn_wait."""
         arrivals, generation, polls, yield_until = self._lines[:, _ARRIVAL], self.state.generation, 0, 0
         while True:
-            lowest = arrivals.min()
-            if lowest >= generation:
-                return OK
-            if lowest < 0:
-                self.state.culprit = int(np.argmax(arrivals < 0))
+            seen = arrivals.copy()  # each peer's word read once
+            # A rank that broke the group after it passed this barrier passed it: so does this one (else
+            # one rank would return from a collective its peer raises in). One that broke before never will.
+            broken_before = (seen < 0) & (-1 - seen < generation)
+            if broken_before.any():
+                self.state.culprit = int(np.argmax(broken_before))
                 return BROKEN
+            if np.where(seen < 0, generation, seen).min() >= generation:
+                self.state.passed = generation
+                return OK
             polls += 1
             if polls < SPINS // 20:  # a Python poll costs about 20 of C's
                 continue
-            late = int(np.argmax(arrivals < generation))
+            late = int(np.argmax((seen >= 0) & (seen < generation)))
             if self._lines[late, _PID] and liveness.gone(self._mutex(late)):  # pid 0: not in the group yet
                 self.state.culprit = late
                 return GONE
@@ -189,7 +194,7 @@ class Group:
             if self._lib is not None:
                 self._lib.sn_break(self.pointer)
                 return
-            self._lines[self.rank, _ARRIVAL] = -1
+            self._lines[self.rank, _ARRIVAL] = -1 - self.state.passed  # the last barrier it passed, kept
             for rank in range(self.world):
                 self._bells[rank] += 1
                 futex.wake(self._bell(rank))

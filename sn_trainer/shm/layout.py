@@ -1,7 +1,8 @@
 """Where everything lies in a group's segment: one definition for the Python path and the C one.
 
-    lines[W]      LINE_BYTES each: arrival (int64; -1 once the rank broke the group), bell (int32 futex
-                  word), sleepers (int32), pid (int64), native (int64: its C core loaded)
+    lines[W]      LINE_BYTES each: arrival (int64: the last barrier the rank reached; once it broke the
+                  group, -1 - the last barrier it passed), bell (int32 futex word), sleepers (int32),
+                  pid (int64), native (int64: its C core loaded)
     mutexes[W]    a process-shared robust mutex each, held by its rank while it runs
     headers[2][W][HEADER_WORDS]  what each rank's current collective is, compared before data is read
     reasons[W]    REASON_BYTES of text each: why a rank broke the group
@@ -54,4 +55,4 @@ class NativeGroup(ctypes.Structure):
                 ("mutex_bytes", ctypes.c_int64), ("header_words", ctypes.c_int64), ("generation", ctypes.c_int64),
                 ("chunks", ctypes.c_int64), ("ops", ctypes.c_int64), ("spins", ctypes.c_int64), ("yield_ns", ctypes.c_int64),
                 ("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("culprit", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
+                ("pad", ctypes.c_int32), ("passed", ctypes.c_int64)]

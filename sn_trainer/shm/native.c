@@ -20,12 +20,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SN_ABI 4
+#define SN_ABI 5
 
 /* What the Python side passes: pointers into the segment and the rank's counters (shm/layout.py's
  * NativeGroup mirrors this struct field by field). */
 typedef struct {
-    char *lines;          /* W lines of LINE_BYTES: arrival (int64), bell (int32), sleepers (int32) */
+    char *lines;          /* W lines of LINE_BYTES: arrival (int64; once broken, -1 - the last barrier passed),
+                             bell (int32), sleepers (int32) */
     char *mutexes;        /* W process-shared robust mutexes, MUTEX_BYTES apart: each rank holds its own */
     int64_t *headers;     /* [2][W][HEADER_WORDS]: what each rank's collective is */
     char *slots;          /* [2][W][slot_bytes]: data, two alternating sets */
@@ -39,6 +40,7 @@ typedef struct {
     int32_t world, rank;
     int32_t culprit;      /* the rank a failure names */
     int32_t pad;
+    int64_t passed;       /* the last barrier this rank passed (what a break keeps) */
 } sn_group;
 
 enum { SN_OK = 0, SN_BROKEN = 1, SN_GONE = 2, SN_TIMEOUT = 3, SN_MISMATCH = 4 };
@@ -94,10 +96,13 @@ int sn_wait(sn_group *g, int64_t deadline_ns) {
         int late = -1;
         for (int r = 0; r < g->world; r++) {
             int64_t a = __atomic_load_n(arrival(g, r), __ATOMIC_ACQUIRE);
-            if (a < 0) { g->culprit = r; return SN_BROKEN; }
-            if (a < generation && late < 0) late = r;
+            /* A rank that broke the group after it passed this barrier passed it: so do its peers (else one
+             * rank would return from a collective its peer raises in). One that broke before never will. */
+            if (a < 0) {
+                if (-1 - a < generation) { g->culprit = r; return SN_BROKEN; }
+            } else if (a < generation && late < 0) late = r;
         }
-        if (late < 0) return SN_OK;
+        if (late < 0) { g->passed = generation; return SN_OK; }
         /* No PAUSE in this loop: in a KVM guest a run of PAUSEs exits to the hypervisor (pause-loop exiting),
          * which then may run something else than this rank (measured: 32 MB all-reduces 3-4x slower, at
          * random); the workers are pinned to physical cores, so no SMT sibling is slowed by the loads. */
@@ -123,9 +128,13 @@ int sn_barrier(sn_group *g, int64_t deadline_ns) {
     return rc ? rc : sn_wait(g, deadline_ns);
 }
 
-/* Mark the group broken by this rank (its reason is in the segment already) and wake every sleeper. */
+/* Mark the group broken by this rank (its reason is in the segment already), keeping the last barrier it
+ * passed (as -1 - that barrier), and wake every sleeper. */
 void sn_break(sn_group *g) {
-    __atomic_store_n(arrival(g, g->rank), -1, __ATOMIC_SEQ_CST);
+    int64_t current = __atomic_load_n(arrival(g, g->rank), __ATOMIC_ACQUIRE);
+    while (current >= 0 && !__atomic_compare_exchange_n(arrival(g, g->rank), &current, -1 - g->passed, 0,
+                                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
     for (int r = 0; r < g->world; r++) {
         __atomic_add_fetch(bell(g, r), 1, __ATOMIC_SEQ_CST);
         futex_wake(bell(g, r));
