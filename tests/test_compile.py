@@ -76,3 +76,49 @@ def test_compile_auto_follows_what_tuning_measured(tmp_path, monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="sn_trainer"):
         assert decide.for_model(trainer.settings, model).compile is chosen
     assert ("compile=auto: compiled" if chosen else "compile=auto: eager") in caplog.text
+
+
+def compiled_ddp_over_sn_and_gloo(rank: int, world: int, store: str, out_dir: str) -> None:
+    """torch.compile(DDP(model)) for 3 steps over "sn" (the default group), then over gloo, in the same
+    processes: Dynamo's graph breaks counted for each, the weights each ends with, the warnings."""
+    import os
+    import warnings
+
+    import torch._dynamo
+    import torch.distributed as dist
+
+    import sn_trainer.distributed  # noqa: F401  (registers "sn")
+
+    dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=world)
+    got = {}
+    for name, group in (("sn", None), ("gloo", dist.new_group(backend="gloo"))):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model, process_group=group))
+        optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                optimizer.zero_grad()
+                compiled(torch.randn(4, 8, generator=data)).square().mean().backward()
+                optimizer.step()
+        got[name] = {"breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+                     "weights": [p.detach().clone() for p in model.parameters()],
+                     "warnings": [str(w.message) for w in caught if "Dynamo" in str(w.message)]}
+    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_compiled_ddp_model_over_sn_breaks_no_more_graphs_than_over_gloo_and_trains_the_same(tmp_path):
+    """torch's C++ (DDP's reducer) calls the "sn" backend's Python methods while the compiled forward runs;
+    Dynamo must leave them out of its graphs: no more graph breaks than gloo's, no warning of its own."""
+    from helpers import run_ranks, saved_results
+
+    assert run_ranks(compiled_ddp_over_sn_and_gloo, 2, tmp_path, timeout_s=240) == [0, 0]
+    for got in saved_results(tmp_path, 2):
+        assert got["sn"]["breaks"] <= got["gloo"]["breaks"], (got["sn"]["breaks"], got["gloo"]["breaks"])
+        assert got["sn"]["warnings"] == []
+        assert all(torch.equal(a, b) for a, b in zip(got["sn"]["weights"], got["gloo"]["weights"]))

@@ -427,6 +427,30 @@ for _name in GLOO_OPERATIONS:
     setattr(SnBackend, _name, _handed_to_gloo(_name))
 
 
+def _left_out_of_compiled_graphs(*classes: type) -> None:
+    """Make torch.compile run these classes' methods, and all they call, as plain Python.
+
+    Dynamo looks at every Python frame that runs while a compiled function does, those that torch's C++
+    calls into included (DDP's reducer calling this backend's collectives, waiting on its works): it would
+    try to trace them and break its graph at each lock and event, where gloo's backend, all C++, shows
+    it nothing. Said per code object through torch's C extension, without importing torch._dynamo (which
+    takes seconds) in every process that makes a group.
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+        skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    except (ImportError, AttributeError):  # a torch without it: Dynamo traces (and breaks) as before
+        return
+    for cls in classes:
+        for value in vars(cls).values():
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None:
+                eval_frame.set_code_exec_strategy(code, skip)
+
+
+_left_out_of_compiled_graphs(SnBackend, PendingWork)
+
+
 def _timeout(opts) -> float | None:
     """The collective's own timeout in seconds, where its options set one (else the group's)."""
     timeout = getattr(opts, "timeout", None)
