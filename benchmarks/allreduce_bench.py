@@ -1,7 +1,11 @@
 """All-reduce latency and bandwidth, the "sn" backend against gloo and against the memory's speed, side by
 side in one run.
 
-    python benchmarks/allreduce_bench.py [--procs 2] [--out results/<machine>/allreduce]
+    python benchmarks/allreduce_bench.py [--procs 2] [--busy 2 --rounds 5] [--out results/<machine>/allreduce]
+
+``--busy N`` runs N busy loops of the same priority beside the ranks for the whole run (a machine with
+other work on it; results in allreduce_busy), ``--rounds R`` times every size R times, the sizes in
+turn, and reports the median of the rounds' medians and the worst round's speed-up.
 
 The same processes time all three: the default group is "sn", a second group over the same ranks is
 gloo, and each size is timed on one, then the other, then as a plain memory copy of the same bytes in
@@ -85,7 +89,7 @@ def _once(target: torch.Tensor, tensor: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) -> None:
+def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int], rounds: int, pin: bool) -> None:
     import sn_trainer.distributed  # noqa: F401  (registers "sn")
 
     cores = sorted(os.sched_getaffinity(0))
@@ -94,12 +98,15 @@ def bench_rank(rank: int, procs: int, store: str, out: str, sizes: list[int]) ->
     dist.init_process_group("sn", init_method=f"file://{store}", rank=rank, world_size=procs,
                             timeout=datetime.timedelta(seconds=300))
     gloo = dist.new_group(backend="gloo")  # its threads made now, before the pinning: the OS places them
-    if len(cores) >= procs:  # the calling thread, which runs sn's collectives, on cores of its own, as
+    if pin and len(cores) >= procs:  # the calling thread, which runs sn's collectives, on cores of its own, as
         os.sched_setaffinity(0, cores[rank * per_rank : (rank + 1) * per_rank])  # sn_trainer.launch pins ranks
-    rows = []
-    for size in sizes:
-        tensor = torch.ones(size // 4)
-        rows.append((size, time_all_reduce(tensor, None), time_all_reduce(tensor, gloo), time_copy(tensor, gloo)))
+    rows = []  # per round, per size: (size, sn, gloo, copy), each (median, fastest)
+    for _ in range(rounds):
+        rows.append([])
+        for size in sizes:
+            tensor = torch.ones(size // 4)
+            rows[-1].append((size, time_all_reduce(tensor, None), time_all_reduce(tensor, gloo),
+                             time_copy(tensor, gloo)))
     native = dist.group.WORLD._get_backend(torch.device("cpu"))._group.native is not None
     if rank == 0:
         torch.save((rows, native), out)
@@ -171,26 +178,45 @@ def own_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def report(rows, native: bool, procs: int, seconds: float, others: float, round_trip: float | None) -> str:
-    lines = [f"# All-reduce: \"sn\" against gloo, {procs} processes, float32 SUM", "",
+def over_rounds(rounds: list[list[tuple]]) -> list[tuple]:
+    """Per size: the median over the rounds of each figure, and the worst round's speed-up (gloo's median
+    over sn's)."""
+    merged = []
+    for per_size in zip(*rounds):
+        figures = [tuple(statistics.median(row[part][which] for row in per_size) for which in (0, 1))
+                   for part in (1, 2, 3)]
+        worst = min(row[2][0] / row[1][0] for row in per_size)
+        merged.append((per_size[0][0], *figures, worst))
+    return merged
+
+
+def report(rows, native: bool, procs: int, seconds: float, others: float, round_trip: float | None, busy: int = 0,
+           rounds: int = 1, pin: bool = True) -> str:
+    beside = (f", beside {busy} busy loop(s) of the same priority (`{' '.join(harness.BUSY_LOOP)}`)" if busy else "")
+    lines = [f"# All-reduce: \"sn\" against gloo, {procs} processes, float32 SUM{beside}", "",
              f"- CPU: {cpu_model()}; {len(os.sched_getaffinity(0))} cores usable ({os.cpu_count()} online)",
              f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}",
              f"- sn's collectives: {'the C core' if native else 'the Python path (no C core built)'}",
              f"- a cache line's round trip between the first and the last core: "
              f"{f'{round_trip:.0f} ns' if round_trip else 'not measured (no C compiler)'}, measured before the run",
-             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); the thread that runs sn's "
-             "collectives pinned to as many cores of its own, gloo's threads placed by the OS; median of timed "
-             "all-reduces between barriers, the slowest rank's",
+             f"- each rank: {max(1, len(os.sched_getaffinity(0)) // procs)} intra-op thread(s); "
+             + ("the thread that runs sn's collectives pinned to as many cores of its own, gloo's threads placed by "
+                "the OS" if pin else "no rank pinned (`--no-pin`: every thread placed by the OS, as under torchrun)")
+             + "; median of timed all-reduces between barriers, the slowest rank's",
              f"- other processes took {others:.1f} CPU s during the {seconds:.1f} s run "
-             f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})",
+             + (f"(the {busy} busy loop(s) included)" if busy else
+                f"({'a busy machine: figures are lower bounds of what it does alone' if others > 0.05 * seconds else 'an idle machine'})"),
+             f"- {rounds} round(s), every size in turn in each; a figure is the median of the rounds' medians; "
+             "\"worst round\" is the lowest of the rounds' speed-ups",
              f"- measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
              f"with `{harness.command()}`", "",
-             "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up | copy (bound) "
-             "| sn of bound | sn fastest | gloo fastest | copy fastest | speed-up, fastest |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for size, (sn, sn_min), (gloo, gloo_min), (copy, copy_min) in rows:
+             "| size | sn median | sn bandwidth | gloo median | gloo bandwidth | sn speed-up | worst round "
+             "| copy (bound) | sn of bound | sn fastest | gloo fastest | copy fastest | speed-up, fastest |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, (sn, sn_min), (gloo, gloo_min), (copy, copy_min), worst in rows:
         lines.append(f"| {_size(size)} | {_seconds(sn)} | {size / sn / 1e9:.2f} GB/s | {_seconds(gloo)} | "
-                     f"{size / gloo / 1e9:.2f} GB/s | {gloo / sn:.1f}x | {_seconds(copy)} ({size / copy / 1e9:.1f} GB/s) "
+                     f"{size / gloo / 1e9:.2f} GB/s | {gloo / sn:.1f}x | {worst:.1f}x "
+                     f"| {_seconds(copy)} ({size / copy / 1e9:.1f} GB/s) "
                      f"| {copy / sn:.2f} | {_seconds(sn_min)} | {_seconds(gloo_min)} | {_seconds(copy_min)} "
                      f"| {gloo_min / sn_min:.1f}x |")
     lines += ["", "Bandwidth is the tensor's bytes over the median all-reduce's time (what each rank gets per "
@@ -212,22 +238,33 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2, help="processes (ranks) on this machine")
     parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=None,
                         help="bytes per all-reduce, comma-separated (default: 4 KB to 64 MB)")
+    parser.add_argument("--busy", type=int, default=0, help="busy loops to run beside the ranks (default: none)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every size (default: 1)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the ranks to the OS, as torchrun does (default: each on cores of its own, as "
+                             "sn_trainer.launch does)")
     args = parser.parse_args()
     sizes = args.sizes or (TINY_SIZES if args.tiny else SIZES)
     with tempfile.TemporaryDirectory() as tmp:
         store, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
         round_trip = round_trip_ns(tmp, 1000 if args.tiny else 200000)
-        started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
-        mp.spawn(bench_rank, args=(args.procs, store, rows_file, sizes), nprocs=args.procs)
-        seconds = time.monotonic() - started
-        others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
-        rows, native = torch.load(rows_file)
-        text = report(rows, native, args.procs, seconds, others, round_trip)
-    harness.write(harness.out_of(args, RESULT),
-                  {"machine": harness.describe(), "procs": args.procs, "native": native, "round_trip_ns": round_trip, "seconds": seconds,
-                   "others_cpu_seconds": others, "command": harness.command(),
-                   "rows": [{"bytes": size, "sn_s": sn, "gloo_s": gloo, "copy_s": copy}
-                            for size, sn, gloo, copy in rows]}, text)
+        with harness.busy_loops(args.busy):
+            started, busy, own = time.monotonic(), busy_seconds(), own_seconds()
+            mp.spawn(bench_rank, args=(args.procs, store, rows_file, sizes, args.rounds, args.pin), nprocs=args.procs)
+            seconds = time.monotonic() - started
+            others = max(0.0, busy_seconds() - busy - (own_seconds() - own))
+        rounds, native = torch.load(rows_file)
+        rows = over_rounds(rounds)
+        text = report(rows, native, args.procs, seconds, others, round_trip, args.busy, args.rounds, args.pin)
+    stem = RESULT + ("_busy" if args.busy else "") + ("" if args.pin else "_unpinned")
+    harness.write(harness.out_of(args, stem),
+                  {"machine": harness.describe(), "procs": args.procs, "native": native, "round_trip_ns": round_trip,
+                   "seconds": seconds, "others_cpu_seconds": others, "busy_loops": args.busy, "pinned": args.pin,
+                   "command": harness.command(),
+                   "rows": [{"bytes": size, "sn_s": sn, "gloo_s": gloo, "copy_s": copy, "worst_round_speedup": worst}
+                            for size, sn, gloo, copy, worst in rows],
+                   "rounds": [[{"bytes": size, "sn_s": sn, "gloo_s": gloo, "copy_s": copy}
+                               for size, sn, gloo, copy in per_round] for per_round in rounds]}, text)
 
 
 if __name__ == "__main__":

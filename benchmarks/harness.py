@@ -7,8 +7,10 @@ nothing to a benchmark that reads no torch (house.py) and to the list run.py pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +85,19 @@ def write(out: Path | str, report: dict, markdown: str) -> None:
     from sn_trainer.report.results import write_result
 
     write_result(out, report, markdown)
+
+
+BUSY_LOOP = ["sh", "-c", "while :; do :; done"]
+
+
+@contextlib.contextmanager
+def busy_loops(count: int):
+    """``count`` busy loops of the benchmark's own priority (``sh -c 'while :; do :; done'``) for as long as
+    the block runs: the other work of a workstation, a shared server or a CI runner."""
+    loops = [subprocess.Popen(BUSY_LOOP, start_new_session=True) for _ in range(count)]
+    try:
+        yield loops
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()

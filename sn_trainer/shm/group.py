@@ -27,10 +27,16 @@ OK, BROKEN, GONE, TIMEOUT, MISMATCH = range(5)  # native.c's status codes
 # Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its
 # core between polls (the peer it waits for may be queued for it), and after YIELD_S of that it sleeps on
 # the late peer's bell (a futex), waking to check the clock, its peers' liveness and the broken state. A
-# training step's ranks wait for each other a few milliseconds at times: they keep yielding, and go on the
-# moment the peer arrives, where a sleeper would wait for the scheduler to wake it.
+# training step's ranks wait for each other a few milliseconds at times: on an idle machine they keep
+# yielding, and go on the moment the peer arrives, where a sleeper would wait for the scheduler to wake it.
+# A yield that takes longer than YIELD_COST_S gave the core to another task (other work shares the
+# machine): the waiter then sleeps at once, as gloo's do, and for SHARED_S after, waits poll SHARED_SPIN_S
+# and sleep, without yielding (a yielding or spinning waiter would spend the time its descheduled peer needs).
 SPINS = 2000  # a few microseconds of polls in C
 YIELD_S = 0.05
+YIELD_COST_S = 100e-6  # an idle core's yield returns in a few microseconds; another task's slice is milliseconds
+SHARED_S = 1.0
+SHARED_SPIN_S = 50e-6  # meanwhile, polls before a sleep: a peer that runs arrives within a chunk's copy
 _SLEEP_S = 0.05
 _ARRIVAL, _PID, _NATIVE = 0, 2, 3  # int64 words of a rank's line (word 1: bell and sleepers, int32 each)
 # A rank publishes "my data is written" by a store to its arrival word; its peers rely on stores becoming
@@ -56,7 +62,9 @@ class Group:
         self.state = NativeGroup(lines=base, mutexes=base + layout.mutexes, headers=base + layout.headers,
                                  slots=base + layout.data_offset, slot_bytes=slot_bytes, line_bytes=LINE_BYTES,
                                  mutex_bytes=MUTEX_BYTES, header_words=HEADER_WORDS, spins=SPINS,
-                                 yield_ns=int(YIELD_S * 1e9), world=world, rank=rank)
+                                 yield_ns=int(YIELD_S * 1e9), world=world, rank=rank,
+                                 yield_cost_ns=int(YIELD_COST_S * 1e9), shared_ns=int(SHARED_S * 1e9),
+                                 shared_spin_ns=int(SHARED_SPIN_S * 1e9))
         self.pointer = ctypes.addressof(self.state)  # what the C core's functions take (the struct stays alive)
         liveness.init(self._mutex(rank))
         self._holder = liveness.Holder(self._mutex(rank))
@@ -116,6 +124,7 @@ class Group:
     def _wait(self, deadline: int) -> int:
         """The Python twin of native.c's sn_wait."""
         arrivals, generation, polls, yield_until = self._lines[:, _ARRIVAL], self.state.generation, 0, 0
+        shared = False
         while True:
             seen = arrivals.copy()  # each peer's word read once
             # A rank that broke the group after it passed this barrier passed it: so does this one (else
@@ -138,9 +147,17 @@ class Group:
             if now > deadline:
                 self.state.culprit = late
                 return TIMEOUT
-            yield_until = yield_until or now + int(YIELD_S * 1e9)
+            state = self.state
+            if not yield_until:
+                shared = now < state.shared_until
+                yield_until = now + (state.shared_spin_ns if shared else state.yield_ns)
+            if shared and now < yield_until:  # a peer a chunk's copy away: not worth a sleep
+                continue
             if now < yield_until:
                 os.sched_yield()
+                after = time.monotonic_ns()
+                if after - now > state.yield_cost_ns:  # another task had the core: sleep from now on
+                    state.shared_until, yield_until = after + state.shared_ns, after
                 continue
             bell = int(self._bells[late])
             if 0 <= arrivals[late] < generation:  # read after its bell: it rang since, or the sleep ends at once

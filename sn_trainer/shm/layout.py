@@ -55,4 +55,5 @@ class NativeGroup(ctypes.Structure):
                 ("mutex_bytes", ctypes.c_int64), ("header_words", ctypes.c_int64), ("generation", ctypes.c_int64),
                 ("chunks", ctypes.c_int64), ("ops", ctypes.c_int64), ("spins", ctypes.c_int64), ("yield_ns", ctypes.c_int64),
                 ("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("culprit", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("passed", ctypes.c_int64)]
+                ("pad", ctypes.c_int32), ("passed", ctypes.c_int64), ("yield_cost_ns", ctypes.c_int64),
+                ("shared_ns", ctypes.c_int64), ("shared_until", ctypes.c_int64), ("shared_spin_ns", ctypes.c_int64)]

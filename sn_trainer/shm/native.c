@@ -20,7 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SN_ABI 5
+#define SN_ABI 6
 
 /* What the Python side passes: pointers into the segment and the rank's counters (shm/layout.py's
  * NativeGroup mirrors this struct field by field). */
@@ -36,11 +36,15 @@ typedef struct {
     int64_t chunks;       /* chunks moved: the slot set the next one uses */
     int64_t ops;          /* collectives begun: the header set the next one uses */
     int64_t spins;        /* polls before the waiter yields its core */
-    int64_t yield_ns;     /* then yields for this long before it sleeps */
+    int64_t yield_ns;     /* then yields for this long before it sleeps, while yielding costs nothing */
     int32_t world, rank;
     int32_t culprit;      /* the rank a failure names */
     int32_t pad;
     int64_t passed;       /* the last barrier this rank passed (what a break keeps) */
+    int64_t yield_cost_ns;   /* a yield that took longer gave the core to another task: the core is shared */
+    int64_t shared_ns;       /* for this long after, waits sleep without yielding first */
+    int64_t shared_until;    /* (monotonic ns) */
+    int64_t shared_spin_ns;  /* meanwhile, how long a waiter polls before it sleeps */
 } sn_group;
 
 enum { SN_OK = 0, SN_BROKEN = 1, SN_GONE = 2, SN_TIMEOUT = 3, SN_MISMATCH = 4 };
@@ -89,9 +93,18 @@ int sn_arrive(sn_group *g) {
 }
 
 /* Wait until every rank has arrived at this rank's generation: spin, then yield, then sleep on the late
- * rank's bell, checking that it still runs and that nobody broke the group. */
+ * rank's bell, checking that it still runs and that nobody broke the group.
+ *
+ * Yielding keeps the waiter on its core, so it goes on the moment its peer arrives; that is right while
+ * nothing else wants the core (a yield then returns at once). Where another task shares the core (other
+ * work on the machine), a yield hands it a whole time slice, and a waiter that yields or spins keeps
+ * spending the time its peer, maybe queued behind other work too, needs: the first yield that takes
+ * longer than yield_cost_ns sends the waiter to sleep in the kernel, as gloo's does, and for shared_ns
+ * after, waits poll for shared_spin_ns (a peer that runs arrives within a chunk's copy) and then sleep,
+ * without yielding. */
 int sn_wait(sn_group *g, int64_t deadline_ns) {
     int64_t generation = g->generation, polls = 0, yield_until = 0;
+    int shared = 0;
     for (;;) {
         int late = -1;
         for (int r = 0; r < g->world; r++) {
@@ -110,8 +123,20 @@ int sn_wait(sn_group *g, int64_t deadline_ns) {
         if (sn_gone(g, late)) { g->culprit = late; return SN_GONE; }
         int64_t now = now_ns();
         if (now > deadline_ns) { g->culprit = late; return SN_TIMEOUT; }
-        if (!yield_until) yield_until = now + g->yield_ns;
-        if (now < yield_until) { sched_yield(); continue; }
+        if (!yield_until) {
+            shared = now < g->shared_until;
+            yield_until = now + (shared ? g->shared_spin_ns : g->yield_ns);
+        }
+        if (shared && now < yield_until) continue; /* a peer a chunk's copy away: not worth a sleep */
+        if (now < yield_until) {
+            sched_yield();
+            int64_t after = now_ns();
+            if (after - now > g->yield_cost_ns) {
+                g->shared_until = after + g->shared_ns;
+                yield_until = after;
+            }
+            continue;
+        }
         int32_t expected = __atomic_load_n(bell(g, late), __ATOMIC_SEQ_CST);
         __atomic_add_fetch(sleepers(g, late), 1, __ATOMIC_SEQ_CST);
         int64_t a = __atomic_load_n(arrival(g, late), __ATOMIC_SEQ_CST);

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 log = logging.getLogger("sn_trainer")
 
 SOURCE = Path(__file__).with_name("native.c")
-ABI = 5  # native.c's SN_ABI
+ABI = 6  # native.c's SN_ABI
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing"]
 _MODULE = "sn_native"  # native.c's PyInit_sn_native
 _loaded: dict[str, SimpleNamespace | None] = {}
