@@ -105,6 +105,10 @@ class TrainerConfig:
     threads: int | str = option("auto", "intra-op threads per worker, each on a physical core of its own; `auto` = 1 "
                                         "where workers is auto, else the usable physical cores // workers (one worker "
                                         "gets the whole machine, as plain PyTorch does)")
+    pin: bool | str = option("auto", "pin each worker to its physical cores: `true`, `false` (the OS places them; "
+                                     "threads are still set), or `auto` (pinned unless other processes keep this "
+                                     "machine's cores busy as the run starts: a pinned worker cannot move off a "
+                                     "core that other work shares; the log says which and why)")
     epochs: int = option(8, "passes over the training set (ignored when max_steps is set)")
     max_steps: int | None = option(None, "when set, stop after this many optimizer steps")
     seed: int = option(0, "decides the sample order and each worker's random state")
@@ -202,7 +206,7 @@ class TrainerConfig:
         require(is_int(self.seed) and self.seed >= 0, f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("shuffle", "drop_last", "sync_batchnorm", "resume_strict"):
             boolean(getattr(self, name), name)
-        for name in ("channels_last", "compile", "prefetch"):
+        for name in ("channels_last", "compile", "prefetch", "pin"):
             true_false_or_auto(getattr(self, name), name)
         clip = self.clip_grad_norm
         require(clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0),

@@ -40,7 +40,7 @@ class SlowReads(Dataset):
 
 def lenet_fit(train_set, **settings):
     torch.manual_seed(0)
-    return Trainer(workers=2, **settings).fit(build_model("lenet", (1, 28, 28), 10), train_set)
+    return Trainer(workers=2, pin=True, **settings).fit(build_model("lenet", (1, 28, 28), 10), train_set)
 
 
 def test_a_dataset_that_sleeps_is_data_bound():

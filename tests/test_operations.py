@@ -2,6 +2,7 @@
 import copy
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_
     for fit_index in range(2):
         log = tmp_path / f"fit-{fit_index}.jsonl"
         torch.manual_seed(0)
-        Trainer(workers=2, threads=1, batch_size=8, max_steps=4, start_method=start_method).fit(
+        Trainer(workers=2, threads=1, pin=True, batch_size=8, max_steps=4, start_method=start_method).fit(
             ReportsPlacement(SmallConvNet(), str(log)), tiny_dataset(), optimizer=SGD)
         calls = {}
         for line in log.read_text().splitlines():
@@ -45,6 +46,28 @@ def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_
         assert all(c["threads"] == 1 and c["interop"] == 1 for seen in workers.values() for c in seen), workers
         assert not earlier & workers.keys()  # every fit has processes of its own
         earlier |= workers.keys()
+
+
+def test_beside_busy_cores_pin_auto_leaves_the_workers_to_the_os_and_says_why(tmp_path, caplog, no_leaks):
+    """Other work on every usable core as the run starts: pin=auto pins nothing (a pinned worker could not
+    move off a core that work shares), and says so; pin=false pins nothing either, pin=true pins."""
+    allowed = sorted(os.sched_getaffinity(0))
+    loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in allowed]
+    try:
+        seen = {}
+        for pin in ("auto", False, True):
+            log = tmp_path / f"{pin}.jsonl"
+            with caplog.at_level(logging.INFO, logger="sn_trainer"):
+                Trainer(workers=2, threads=1, pin=pin, batch_size=8, max_steps=2).fit(
+                    ReportsPlacement(SmallConvNet(), str(log)), tiny_dataset(), optimizer=SGD)
+            seen[pin] = [json.loads(line)["cpus"] for line in log.read_text().splitlines()]
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert all(cpus == allowed for cpus in seen["auto"] + seen[False]), seen
+    assert {len(cpus) for cpus in seen[True]} == {1}, seen[True]
+    assert "of this machine's" in caplog.text and "the workers are not pinned (pin=auto)" in caplog.text
 
 
 @pytest.mark.parametrize("early", [False, True])

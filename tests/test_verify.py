@@ -210,7 +210,7 @@ def test_the_verification_touches_no_parameter_buffer_or_step_function_state(tmp
         step = CountingStep()
         torch.manual_seed(0)
         model, counted = SmallConvNet().double(), Counted().double()
-        first = Trainer(workers=2, batch_size=8, max_steps=4, seed=1, verify_every=every,
+        first = Trainer(workers=2, batch_size=8, max_steps=4, seed=1, verify_every=every, pin=True,
                         checkpoint_dir=str(tmp_path / f"every{every}"))
         result = first.fit(model, tiny_dataset(dtype=F64), optimizer=SGD, step_fn=step)
         second = Trainer(workers=2, batch_size=8, max_steps=4, seed=1, verify_every=every)

@@ -16,7 +16,7 @@ from ..engine.collectives.comm import choose_reducer
 from ..engine.node.cluster import Cluster
 from ..engine.node.machine import bf16_supported
 from ..engine.node.runtime import Runtime
-from ..engine.node.topology import Topology, auto_threads, auto_workers, plan_pinning
+from ..engine.node.topology import OTHER_WORK_CORES, Topology, auto_threads, auto_workers, other_work, plan_pinning
 from ..engine.plan import Placement
 from ..engine.processes.launch import starts_warm
 from ..errors import ConfigError
@@ -64,10 +64,29 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
         compress = "none"
     for note in notes:
         log.warning(note)
+    pin = pinned(config.pin, topology)
     settings = dataclasses.replace(config, workers=workers, threads=threads, precision=precision, comm=comm,
-                                   compress=compress, allocator=runtime.allocator, openmp=runtime.openmp, start_method=start_method)
-    return settings, Placement(tuple(plan_pinning(topology, workers, threads)), nodes,
-                               cluster.node_rank if cluster else 0, tuple(notes))
+                                   compress=compress, allocator=runtime.allocator, openmp=runtime.openmp,
+                                   start_method=start_method, pin=pin)
+    pinning = plan_pinning(topology, workers, threads) if pin else [() for _ in range(workers)]
+    return settings, Placement(tuple(pinning), nodes, cluster.node_rank if cluster else 0, tuple(notes))
+
+
+def pinned(pin: bool | str, topology: Topology) -> bool:
+    """Whether the workers are pinned: ``pin`` itself, or for ``auto`` whether this machine's usable cores
+    are free of other work as the run starts (a pinned worker cannot move off a core that other work
+    shares; an unpinned one can, where a core is free). Said in the log either way for auto."""
+    if pin != "auto":
+        return bool(pin)
+    busy = other_work()
+    if busy >= OTHER_WORK_CORES:
+        log.warning("other processes keep %.1f of this machine's %d usable cores busy: the workers are not pinned "
+                    "(pin=auto), so that the OS can move each off a core that other work shares; pin=true pins "
+                    "them", busy, topology.usable_cores)
+        return False
+    log.info("the workers are pinned to cores of their own (pin=auto: other processes keep %.1f of the %d usable "
+             "cores busy)", busy, topology.usable_cores)
+    return True
 
 
 def workers_and_threads(config: TrainerConfig, topology: Topology, tuned: dict[str, Any] | None) -> tuple[int, int]:

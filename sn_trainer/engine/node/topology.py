@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -245,3 +248,28 @@ def plan_pinning(topology: Topology, workers: int, threads: int) -> list[tuple[i
         chosen = [cores[(w * threads + t) % len(cores)].cpus[0] for t in range(threads)]
         plan.append(tuple(sorted(set(chosen))))
     return plan
+
+
+# Other processes' CPU time, in cores, from which pin=auto leaves the workers to the OS.
+OTHER_WORK_CORES = 0.5
+
+
+def other_work(seconds: float = 0.05) -> float:
+    """How many of this process's usable CPUs other processes kept busy over the next ``seconds`` (this
+    process's own CPU time left out), in cores."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    me = psutil.Process()
+
+    def busy() -> float:
+        per_cpu = psutil.cpu_times(percpu=True)
+        chosen = [per_cpu[c] for c in allowed if c < len(per_cpu)] if allowed else per_cpu
+        return sum(t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) for t in chosen)
+
+    def own() -> float:
+        times = me.cpu_times()
+        return times.user + times.system
+
+    busy_before, own_before, started = busy(), own(), time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return max(0.0, (busy() - busy_before) - (own() - own_before)) / elapsed
