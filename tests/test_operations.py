@@ -271,6 +271,22 @@ def test_a_killed_launcher_leaves_no_process_and_its_directory_goes_with_the_nex
     assert live_children() == []
 
 
+def test_the_resource_tracker_has_ended_and_cleaned_up_when_the_launcher_exits(tmp_path):
+    """multiprocessing's resource tracker, started with the first worker, would otherwise end after
+    the launcher, on its own: just after a run, its processes were not all gone (seen in CI)."""
+    script = ("import json, os, sys\n"
+              "from multiprocessing import resource_tracker, shared_memory\n"
+              "from sn_trainer.engine.processes import forkserver\n"
+              "forkserver.stop_the_tracker_at_exit()\n"
+              "left = shared_memory.SharedMemory(create=True, size=4096)\n"
+              "left.close()\n"  # never unlinked: the tracker's to clean up
+              "print(json.dumps([left._name, resource_tracker._resource_tracker._pid]), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    name, tracker = json.loads(out.stdout)
+    assert not psutil.pid_exists(tracker) or psutil.Process(tracker).status() == psutil.STATUS_ZOMBIE
+    assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
 
 def test_a_damaged_newest_checkpoint_is_passed_over_when_resuming_from_a_directory(tmp_path, caplog):
     torch.manual_seed(0)

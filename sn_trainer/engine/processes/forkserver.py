@@ -8,8 +8,10 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
+import select
 import shutil
 import signal
 import sys
@@ -27,6 +29,7 @@ PRELOAD = ["__main__", "sn_trainer.engine.processes._forkserver_preload", "sn_tr
 # The runtime (allocator, OpenMP) the server of this process was started with: it cannot change
 # afterwards.
 _running: dict[str, Runtime] = {}
+_tracker_stops: list[bool] = []  # whether this process ends its resource tracker at exit
 
 
 def available() -> bool:
@@ -54,7 +57,8 @@ def start(runtime: Runtime | None = None) -> None:
     with preloading(runtime.libraries()):
         multiprocessing.forkserver.ensure_running()
     _running["runtime"] = runtime
-    atexit.register(_stop)
+    stop_the_tracker_at_exit()
+    atexit.register(_stop)  # first at exit (handlers run last registered first): the server holds the tracker's pipe
 
 
 def _main_is_a_file() -> bool:
@@ -125,6 +129,46 @@ def _stop() -> None:
     except (OSError, ChildProcessError):
         pass
     forget_openmp_registrations([pid])
+
+
+# How long the exit waits for multiprocessing's resource tracker to finish: it unlinks what a
+# killed worker registered and left, then ends.
+TRACKER_ENDS_S = 5.0
+
+
+def stop_the_tracker_at_exit() -> None:
+    """Once per process: at exit, end multiprocessing's resource tracker and reap it.
+
+    Started with the first worker (either start method), it ends by itself only when it reads the
+    end of its pipe, after this process is gone: whoever watches this run's processes would still
+    see it, running, just after the run ended.
+    """
+    if not _tracker_stops:
+        _tracker_stops.append(True)
+        atexit.register(_stop_tracker)
+
+
+def _stop_tracker() -> None:
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    tracker._fd = tracker._pid = None
+    try:
+        ended = os.pidfd_open(pid)
+    except OSError:
+        ended = None
+    os.close(fd)  # the tracker reads its pipe's end once every worker, and the server, is gone
+    if ended is None:
+        return
+    try:
+        # Bounded: a process that still holds the pipe (none should) must not hold up this exit.
+        if select.select([ended], [], [], TRACKER_ENDS_S)[0]:
+            os.waitpid(pid, 0)
+    except (OSError, ChildProcessError):
+        pass
+    finally:
+        os.close(ended)
 
 
 def leave(code: int) -> None:

@@ -186,6 +186,7 @@ def _context(start_method: str, runtime: Runtime):
     if starts_warm(start_method, runtime):
         warm_up(start_method, runtime)
         return mp.get_context("forkserver")
+    forkserver.stop_the_tracker_at_exit()
     return mp.get_context("spawn")
 
 
