@@ -97,6 +97,7 @@ class Profiler:
     def stop(self) -> None:
         if self._profile is not None:
             self._profile.__exit__(None, None, None)
+            os.makedirs(self.out_dir, exist_ok=True)  # the profiler writes no folder of its own
             self._profile.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
             self._profile = None
 

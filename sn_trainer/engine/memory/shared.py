@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -107,9 +108,9 @@ class ReplicaBuffers:
     def _seen(self) -> None:
         self._versions = [own._version for *_, own in self.links]
 
-    def changed(self) -> torch.Tensor:
+    def changed(self) -> np.ndarray:
         """Worker 0, after its forward passes: a 0/1 flag per buffer its step changed."""
-        flags = torch.zeros(len(self.links), dtype=torch.float64)
+        flags = np.zeros(len(self.links))
         flags[self._moved()] = 1.0
         self._seen()
         return flags

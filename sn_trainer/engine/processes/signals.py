@@ -30,66 +30,70 @@ class StopFlags:
 
     def __init__(self, block: torch.Tensor):
         self.block = block
+        self._flags = block.numpy()  # the same memory: numpy's scalar reads cost a fraction of torch's, and a step makes several
+
+    def __reduce__(self):
+        return (StopFlags, (self.block,))
 
     @classmethod
     def allocate(cls) -> "StopFlags":
         return cls(torch.zeros(6, dtype=torch.int64).share_memory_())
 
     def request(self, signum: int) -> None:
-        if int(self.block[_SIGNAL]) == 0:
-            self.block[_SIGNAL] = signum
+        if int(self._flags[_SIGNAL]) == 0:
+            self._flags[_SIGNAL] = signum
 
     def ask(self) -> None:
         """The launcher's callbacks ask the run to stop (``trainer.should_stop``): like a signal,
         but the run then ends normally."""
-        self.block[_ASKED] = 1
+        self._flags[_ASKED] = 1
 
     @property
     def signal(self) -> int:
         """The signal that asked the run to stop, or 0."""
-        return int(self.block[_SIGNAL])
+        return int(self._flags[_SIGNAL])
 
     def decide(self, step_done: int) -> None:
         """Worker 0, after a step, before the closing barrier: all workers stop after this step."""
-        if (self.signal or int(self.block[_ASKED])) and not int(self.block[_STOP_AT]):
-            self.block[_ASKED_STOP] = 0 if self.signal else 1  # read after the barrier: the same in all
-            self.block[_STOP_AT] = step_done
+        if (self.signal or int(self._flags[_ASKED])) and not int(self._flags[_STOP_AT]):
+            self._flags[_ASKED_STOP] = 0 if self.signal else 1  # read after the barrier: the same in all
+            self._flags[_STOP_AT] = step_done
 
     def ends_run(self) -> bool:
         """Whether the stop decided was asked by a callback: the run ends there (a signal's is
         resumed from its checkpoint)."""
-        return bool(int(self.block[_ASKED_STOP]))
+        return bool(int(self._flags[_ASKED_STOP]))
 
     def stops_after(self, step_done: int) -> bool:
-        return int(self.block[_STOP_AT]) == step_done
+        return int(self._flags[_STOP_AT]) == step_done
 
     def save_at(self, step_done: int) -> None:
         """The launcher: the workers checkpoint ``step_done`` (asked on its evaluation)."""
-        self.block[_SAVE_AT] = step_done
+        self._flags[_SAVE_AT] = step_done
 
     def saves_at(self, step_done: int) -> bool:
-        return int(self.block[_SAVE_AT]) == step_done
+        return int(self._flags[_SAVE_AT]) == step_done
 
     def acknowledge(self) -> None:
         """The launcher has handed one more of the events worker 0 waits for to its callbacks."""
-        self.block[_ACKNOWLEDGED] += 1
+        self._flags[_ACKNOWLEDGED] += 1
 
     def wait_for_acknowledgement(self, sent: int) -> None:
         """Worker 0, having sent ``sent`` events it waits for (evaluations, awaited progress records)
         in this launch: until the launcher has handed all of them to its callbacks."""
-        while int(self.block[_ACKNOWLEDGED]) < sent:
+        while int(self._flags[_ACKNOWLEDGED]) < sent:
             time.sleep(0.0005)  # another process's write to shared memory: nothing to block on
 
     def reset(self) -> None:
         """A new run: no request, no decision."""
-        self.block.zero_()
+        self._flags[:] = 0
 
     def clear_for_restart(self) -> None:
         """A restart starts a new stop decision; a stop request itself is never cleared."""
-        self.block[_STOP_AT] = 0
-        self.block[_ACKNOWLEDGED] = 0
-        self.block[_SAVE_AT] = 0
-        self.block[_ASKED_STOP] = 0
+        self._flags[_STOP_AT] = 0
+        self._flags[_ACKNOWLEDGED] = 0
+        self._flags[_SAVE_AT] = 0
+        self._flags[_ASKED_STOP] = 0
 
 
 def stop_on_signals(flags: StopFlags) -> None:

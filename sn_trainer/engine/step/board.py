@@ -11,12 +11,17 @@ Only sums reach every node, so the digests are compared through sums too: each w
 digest's bytes d_i, their squares and a 1, and N * sum(d_i^2) == (sum d_i)^2 holds exactly when
 every d_i is the same (all integers well below 2^53 for up to 2^18 workers: float64 sums them
 exactly).
+
+The board is a few hundred numbers: it is written and read through numpy views, where a scalar
+store or a small sum costs a microsecond or less (a torch call on a tiny tensor costs several), so
+that a step pays for it next to nothing.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _LOSS, _COUNT, _GRAD = 0, 1, 2
@@ -25,17 +30,25 @@ _DIGEST, _SQUARES, _WORKERS = 3, 3 + _PARTS, 3 + 2 * _PARTS
 _USED = _WORKERS + 1
 
 
+def _terms(digest: int | None) -> np.ndarray:
+    parts = np.frombuffer((digest or 0).to_bytes(_PARTS, "little"), dtype=np.uint8).astype(np.float64)
+    return np.concatenate([parts, parts * parts, np.ones(1)])
+
+
+_NO_DIGEST = _terms(None)
+
+
 def digest_terms(digest: int | None) -> torch.Tensor:
     """What a worker adds to the sums for its ``digest`` (None: the same in every worker by
     construction): its 8 bytes, their squares, and a 1."""
-    parts = torch.tensor(list((digest or 0).to_bytes(_PARTS, "little")), dtype=torch.float64)
-    return torch.cat([parts, parts * parts, torch.ones(1, dtype=torch.float64)])
+    return torch.from_numpy(_terms(digest))
 
 
-def one_digest(summed: torch.Tensor) -> bool:
+def one_digest(summed: torch.Tensor | np.ndarray) -> bool:
     """Whether the workers whose ``digest_terms`` were summed into ``summed`` had one digest."""
-    parts, squares, workers = summed[:_PARTS], summed[_PARTS : 2 * _PARTS], summed[2 * _PARTS]
-    return bool(torch.equal(workers * squares, parts * parts))
+    values = summed[: 2 * _PARTS + 1].tolist()
+    parts, squares, workers = values[:_PARTS], values[_PARTS : 2 * _PARTS], values[2 * _PARTS]
+    return all(workers * square == part * part for part, square in zip(parts, squares))
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,10 @@ class Board:
 
     def __init__(self, block: torch.Tensor, parameters: int):
         self.block, self.parameters = block, parameters
+        self._rows = block.numpy()  # the same memory
+
+    def __reduce__(self):
+        return (Board, (self.block, self.parameters))
 
     @classmethod
     def allocate(cls, workers: int, parameters: int, buffers: int = 0) -> "Board":
@@ -66,11 +83,11 @@ class Board:
                    parameters)
 
     def publish(self, step: int, rank: int, loss_sum: float, count: float, grad_sum: float,
-                used: torch.Tensor, changed: torch.Tensor | None = None, digest: int | None = None) -> None:
+                used: np.ndarray, changed: np.ndarray | None = None, digest: int | None = None) -> None:
         """``digest``: of the global batch this worker read (None: the same in every worker by construction)."""
-        row = self.block[step % 2, rank]
+        row = self._rows[step % 2, rank]
         row[_LOSS], row[_COUNT], row[_GRAD] = loss_sum, count, grad_sum
-        row[_DIGEST:_USED] = digest_terms(digest)
+        row[_DIGEST:_USED] = _NO_DIGEST if digest is None else _terms(digest)
         row[_USED : _USED + self.parameters] = used
         if changed is not None:
             row[_USED + self.parameters :] = changed
@@ -78,15 +95,15 @@ class Board:
     def totals(self, step: int) -> torch.Tensor:
         """This node's sums: loss, count, non-finite entries, the digests' parts, their squares and
         the workers, then per-parameter use counts."""
-        published = self.block[step % 2]
-        out = published.sum(dim=0)
-        out[_GRAD] = float((~torch.isfinite(published[:, :_DIGEST])).sum())
-        return out
+        published = self._rows[step % 2]
+        out = published.sum(axis=0)
+        out[_GRAD] = float(np.count_nonzero(~np.isfinite(published[:, :_DIGEST])))
+        return torch.from_numpy(out)
 
     def read(self, totals: torch.Tensor) -> StepTotals:
+        totals = totals.numpy()
         loss_sum, count, non_finite = totals[:_DIGEST].tolist()
         used, changed = totals[_USED : _USED + self.parameters], totals[_USED + self.parameters :]
         return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum),
-                          tuple(int(i) for i in torch.nonzero(used == 0).flatten()),
-                          tuple(int(i) for i in torch.nonzero(changed > 0).flatten()),
+                          tuple(np.flatnonzero(used == 0).tolist()), tuple(np.flatnonzero(changed > 0).tolist()),
                           one_digest(totals[_DIGEST:_USED]))

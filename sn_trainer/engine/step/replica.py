@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -112,9 +113,9 @@ class Replica:
         self.cluster = spec.cluster
         self.layout.attach_gradients(self.model, self.reducer.grad_flat)
         self.reducer.watch(self.params, self.layout, settings.accumulate, settings.bucket_kb * 1024)
-        self.used = torch.zeros(len(self.params), dtype=torch.float64)
+        self.used = np.zeros(len(self.params))  # numpy: a hook per parameter per backward stores into it
         for index, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _p, i=index: self.used.__setitem__(i, 1.0))
+            p.register_post_accumulate_grad_hook(lambda _p, i=index, used=self.used: used.__setitem__(i, 1.0))
         if settings.sync_batchnorm:
             synchronise(self.model, self._waiting_sum)
 
@@ -262,7 +263,7 @@ class Replica:
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
         # barrier that closed the previous phase or step.
         self.reducer.grad_flat.zero_()
-        self.used.zero_()
+        self.used[:] = 0.0
         loss_sum = count = 0.0
         step = round_ // len(self.phases)
         for micro, (batch, samples) in enumerate(micro_batches):
