@@ -7,7 +7,12 @@ collate_fn): it should cost what plain PyTorch costs with the same threads. Case
 - lstm b128: an embedding, a 2-layer LSTM over packed variable-length sequences (lengths 8-64)
   and a linear head, padded by a collate_fn and packed in the model;
 - lstm b128 packed: the same network, its batch a PackedSequence packed by the collate_fn;
-- lenet b64: LeNet on synthetic 28x28 images.
+- lenet b64: LeNet on synthetic 28x28 images;
+- mlp b32: a two-layer perceptron (32-64-10) on synthetic vectors, a step of a few hundred
+  microseconds: what is left of it beside plain PyTorch's is sn_trainer's own cost per step.
+
+The table's last column is that cost: the Trainer's time per step less plain PyTorch's, from the
+medians (it reads ahead in a thread where ``prefetch=auto`` does; ``--prefetch`` decides it).
 
 Each round runs plain PyTorch (this process, ``torch.set_num_threads(threads)``, the same global
 batches) and ``Trainer(workers=1, threads=threads)`` alternately; samples/s over the steps after
@@ -17,6 +22,7 @@ default, ``threads=auto`` (every usable core to the one worker); ``--sn-threads 
 the Trainer the one thread that was its default before ``threads=auto``.
 
     python benchmarks/w1_bench.py [--rounds 3] [--steps 40] [--warmup 5] [--threads N|auto] [--sn-threads N|auto]
+                                  [--prefetch auto|true|false] [--cases 'mlp b32,...']
 """
 from __future__ import annotations
 
@@ -102,6 +108,10 @@ def packed_step(model, batch):
     return F.cross_entropy(model(packed), labels)
 
 
+def mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+
+
 def image_step(model, batch):
     images, labels = batch
     return F.cross_entropy(model(images), labels)
@@ -110,12 +120,14 @@ def image_step(model, batch):
 def cases(tiny: bool = False):
     """label -> (model builder, dataset, collate_fn, step_fn, global batch); a tiny run's at a batch of 8."""
     torch.manual_seed(0)
-    samples, lstm, lenet = (512, 8, 8) if tiny else (4096, 128, 64)
+    samples, lstm, lenet, small = (512, 8, 8, 8) if tiny else (4096, 128, 64, 32)
     images = TensorDataset(torch.randn(samples, 1, 28, 28), torch.randint(0, 10, (samples,)))
+    vectors = TensorDataset(torch.randn(16 * samples, 32), torch.randint(0, 10, (16 * samples,)))  # short steps: many
     sequences = Sequences(2 * samples)
     return {f"lstm b{lstm}": (PackedLSTM, sequences, pad, lstm_step, lstm),
             f"lstm b{lstm} packed": (LSTMOverPacked, sequences, pack, packed_step, lstm),
-            f"lenet b{lenet}": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, lenet)}
+            f"lenet b{lenet}": (lambda: build_model("lenet", (1, 28, 28), 10), images, None, image_step, lenet),
+            f"mlp b{small}": (mlp, vectors, None, image_step, small)}
 
 
 def plain(build, data, collate, step, batch, steps, warmup) -> float:
@@ -137,10 +149,10 @@ def plain(build, data, collate, step, batch, steps, warmup) -> float:
     return steps * batch / (time.perf_counter() - started)
 
 
-def trainer(build, data, collate, step, batch, steps, warmup, threads) -> float:
+def trainer(build, data, collate, step, batch, steps, warmup, threads, prefetch="auto") -> float:
     torch.manual_seed(0)
     result = Trainer(workers=1, threads=threads, batch_size=batch, max_steps=warmup + steps, measure_after=warmup,
-                     seed=0).fit(build(), data, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                     seed=0, prefetch=prefetch).fit(build(), data, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                                  step_fn=step, collate_fn=collate)
     return result.samples_per_sec
 
@@ -153,7 +165,9 @@ def main() -> None:
     parser.add_argument("--threads", type=lambda v: v if v == "auto" else int(v), default=1)
     parser.add_argument("--sn-threads", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="the Trainer's threads, when not --threads")
-    parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64")
+    parser.add_argument("--prefetch", type=lambda v: v if v == "auto" else v == "true", default="auto",
+                        help="the Trainer's prefetch: auto (its default), true or false")
+    parser.add_argument("--cases", default="lstm b128,lstm b128 packed,lenet b64,mlp b32")
     args = parser.parse_args()
     if args.tiny:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -168,20 +182,25 @@ def main() -> None:
         for label, (build, data, collate, step, batch) in chosen.items():
             rows[label]["plain"].append(plain(build, data, collate, step, batch, args.steps, args.warmup))
             rows[label]["sn"].append(trainer(build, data, collate, step, batch, args.steps, args.warmup,
-                                             sn_threads))
+                                             sn_threads, args.prefetch))
             print(f"round {round_index + 1} {label}: plain {rows[label]['plain'][-1]:.0f}, "
                   f"sn_trainer {rows[label]['sn'][-1]:.0f} samples/s", flush=True)
     machine = harness.describe()
     lines = ["# One worker against plain PyTorch", "",
              f"{harness.machine_line(machine)} `{harness.command()}`: {args.rounds} rounds of {args.steps} steps after "
-             f"{args.warmup}, plain PyTorch {plain_threads} intra-op thread(s), sn_trainer threads={sn_threads}, SGD "
+             f"{args.warmup}, plain PyTorch {plain_threads} intra-op thread(s), sn_trainer threads={sn_threads} "
+             f"prefetch={args.prefetch}, SGD "
              f"momentum 0.9, the same global batches; samples/s after {args.warmup} warm-up steps, medians over {args.rounds} alternated rounds "
              f"[min-max]. Load average at the start: {load:.2f} on {os.cpu_count()} CPUs"
              + (" (other processes were running)." if load > 0.5 else "."), "",
-             "| case | plain PyTorch | sn_trainer, W=1 | sn / plain |", "|---|---:|---:|---:|"]
+             "| case | plain PyTorch | sn_trainer, W=1 | sn / plain | sn_trainer's own per step |",
+             "|---|---:|---:|---:|---:|"]
     for label, row in rows.items():
         p, s = statistics.median(row["plain"]), statistics.median(row["sn"])
-        lines.append(f"| {label} | {harness.spread(row['plain'])} | {harness.spread(row['sn'])} | {s / p:.2f} |")
+        batch = chosen[label][4]
+        own_us = (batch / s - batch / p) * 1e6  # the Trainer's seconds per step less plain PyTorch's
+        lines.append(f"| {label} | {harness.spread(row['plain'])} | {harness.spread(row['sn'])} | {s / p:.2f} "
+                     f"| {own_us:.0f} us |")
     harness.write(harness.out_of(args, RESULT),
                   {"machine": machine, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                    "threads": args.threads, "sn_threads": sn_threads, "rows": rows, "load_average": load, "command": harness.command()},

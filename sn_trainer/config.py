@@ -166,8 +166,8 @@ class TrainerConfig:
                                         "cache): `true`, `false`, or `auto` (what tuning measured faster for this "
                                         "model, else false); the compile time is reported apart (compile_seconds)")
     prefetch: bool | str = option("auto", "each worker reads the next step's slice in a thread while this step "
-                                          "computes; `auto`: where reading draws no global random numbers and "
-                                          "each worker has one thread")
+                                          "computes; `auto`: where reading draws no global random numbers, "
+                                          "each worker has one thread and there are several workers")
     log_every: int = option(100, "optimizer steps between progress records")
     eval_batch_size: int = option(512, "samples per forward pass in evaluation, per worker")
     eval_every: int | None = option(None, "evaluate every this many optimizer steps (and after the last) instead of "

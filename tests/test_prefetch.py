@@ -68,8 +68,8 @@ def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder
                                        test_fraction=0.1))
     model = net()
     reference = plain(copy.deepcopy(model), copy.deepcopy(data.train), batch_size=8, epochs=2, seed=3)
-    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3).fit(model, data.train, step_fn=step,
-                                                                                     optimizer=SGD)
+    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3, prefetch=True).fit(
+        model, data.train, step_fn=step, optimizer=SGD)  # read ahead at W=1 too, where auto reads inline
     assert result.plan["prefetch"] is True and result.steps == 8  # 36 training images: 4 steps an epoch
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
@@ -125,8 +125,8 @@ def test_images_in_random_resized_crops_train_as_torchvisions_recipe_in_a_plain_
         assert torch.equal(test[index][0], plain_test[index][0])
     model = net()
     reference = plain(copy.deepcopy(model), plain_train, batch_size=8, epochs=2, seed=3)
-    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3).fit(model, train, step_fn=step,
-                                                                                     optimizer=SGD)
+    result = Trainer(workers=workers, threads=1, batch_size=8, epochs=2, seed=3, prefetch=True).fit(
+        model, train, step_fn=step, optimizer=SGD)
     assert result.plan["prefetch"] is True  # its draws are the sample's own generator's, never the global ones
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
@@ -185,13 +185,14 @@ def test_data_that_draws_global_random_numbers_is_not_read_ahead(caplog):
     assert torch.equal(torch.get_rng_state(), state)  # the launcher's reading leaves the caller's stream alone
 
 
-@pytest.mark.parametrize("threads, draws_random, prefetch, decided", [
-    (1, False, "auto", True), (2, False, "auto", False),  # several threads fill a worker's cores: inline
-    (1, True, "auto", False), (2, False, True, True), (1, False, False, False)])
+@pytest.mark.parametrize("threads, draws_random, prefetch, workers, decided", [
+    (1, False, "auto", 2, True), (2, False, "auto", 2, False),  # several threads fill a worker's cores: inline
+    (1, True, "auto", 2, False), (2, False, True, 2, True), (1, False, False, 2, False),
+    (1, False, "auto", 1, False), (1, False, True, 1, True)])  # one worker has no peer's time to fill
 def test_prefetch_auto_reads_ahead_beside_one_thread_that_draws_nothing_global(threads, draws_random, prefetch,
-                                                                               decided):
+                                                                               workers, decided):
     from sn_trainer.config import TrainerConfig
     from sn_trainer.fit.decide import for_reading
 
-    settings = TrainerConfig(workers=1, threads=threads, prefetch=prefetch)
-    assert for_reading(settings, draws_random).prefetch is decided
+    settings = TrainerConfig(workers=workers, threads=threads, prefetch=prefetch)
+    assert for_reading(settings, draws_random, global_workers=workers).prefetch is decided

@@ -96,8 +96,8 @@ def test_a_stream_without_a_length_runs_on_across_its_passes(workers):
     torch.manual_seed(0)
     model = SmallConvNet().double()
     reference = plain_unsized(copy.deepcopy(model), Shuffled(sized=False), batch_size=6, steps=10)
-    result = Trainer(workers=workers, threads=1, batch_size=6, max_steps=10).fit(model, Shuffled(sized=False),
-                                                                                 optimizer=SGD)
+    result = Trainer(workers=workers, threads=1, batch_size=6, max_steps=10, prefetch=True).fit(
+        model, Shuffled(sized=False), optimizer=SGD)
     assert result.steps == 10 and result.plan["steps_per_epoch"] == 10 and result.plan["prefetch"] is True
     assert_exact(model, reference)
 

@@ -154,11 +154,13 @@ def _compile(settings: TrainerConfig, model: nn.Module) -> bool:
     return rates["compiled"] > rates["eager"]
 
 
-def for_reading(settings: TrainerConfig, draws_random: bool, sets_generators: bool = False) -> TrainerConfig:
+def for_reading(settings: TrainerConfig, draws_random: bool, sets_generators: bool = False, *,
+                global_workers: int) -> TrainerConfig:
     """The settings with prefetch decided: prefetch=auto reads ahead where reading the training set
     touches no global random generator (a thread drawing from them, or seeding them for each sample
     and putting them back, beside the model's dropout would change which numbers each gets, and
-    rewind the model's stream) and each worker computes on one thread.
+    rewind the model's stream), each worker computes on one thread, and there are peers to wait
+    for (the reading thread runs on the worker's own core, in the time a step waits for them).
 
     Raises:
         ConfigError: prefetch=true for data that draws from the global generators.
@@ -181,6 +183,12 @@ def for_reading(settings: TrainerConfig, draws_random: bool, sets_generators: bo
     if draws_random:
         log.info("prefetch=auto: off, as reading train_set draws global random numbers (augmentation); a "
                  "dataset that draws from generators of its own is read ahead")
+        return dataclasses.replace(settings, prefetch=False)
+    if global_workers == 1:
+        # One worker waits for no peer: a reading thread has no idle time of the step's to fill and
+        # only shares the step's own core, costing more than it reads (benchmarks/w1_bench.py, mlp).
+        log.info("prefetch=auto: off, as one worker has no peer to wait for, whose time a reading thread would "
+                 "fill; prefetch=true reads ahead anyway")
         return dataclasses.replace(settings, prefetch=False)
     if settings.threads > 1:
         # The reading thread's copies and stacks would run on the cores the step's threads already

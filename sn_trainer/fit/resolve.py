@@ -124,7 +124,8 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     splits = placement.global_workers * settings.accumulate > 1
     rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
                                   evaluation, settings.eval_batch_size, objective, phases, settings, splits)
-    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators)
+    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators,
+                                  global_workers=placement.global_workers)
     findings = rehearse(rehearsal, settings)
     if splits:
         findings = _labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
