@@ -165,7 +165,8 @@ def cpu_sample(proc_root: Path, seconds: float) -> list[Finding]:
     iowait = 100 * (second[4] - first[4]) / total
     found = [Finding("other processes' CPU", f"{other:.0f}% of the machine's CPU over {seconds:g} s",
                      "measure and train on an idle machine (what runs: top), or on CPUs nothing else uses "
-                     "(taskset -c <cpus>)" if other > BUSY_PERCENT else None)]
+                     "(taskset -c <cpus>); beside other work pin=auto leaves the workers unpinned, so that the OS "
+                     "can move each off a shared core" if other > BUSY_PERCENT else None)]
     found.append(Finding("I/O wait", f"{iowait:.0f}% of the CPU time waiting for the disk over {seconds:g} s",
                          "something is reading or writing hard (iotop shows what)" if iowait > BUSY_PERCENT
                          else None))
