@@ -12,9 +12,9 @@ digest's bytes d_i, their squares and a 1, and N * sum(d_i^2) == (sum d_i)^2 hol
 every d_i is the same (all integers well below 2^53 for up to 2^18 workers: float64 sums them
 exactly).
 
-The board is a few hundred numbers: it is written and read through numpy views, where a scalar
-store or a small sum costs a microsecond or less (a torch call on a tiny tensor costs several), so
-that a step pays for it next to nothing.
+The board is a few hundred numbers: it is written and read through numpy views of its shared
+block, where a scalar store or a small sum costs a fraction of a torch call on a tiny tensor, so
+that a step pays next to nothing for it (`test_loop.py` counts a step's torch calls).
 """
 from __future__ import annotations
 
