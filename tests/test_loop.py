@@ -542,9 +542,9 @@ def test_a_steps_own_work_calls_few_torch_operators_beside_a_plain_loops(tmp_pat
     """sn_trainer's bookkeeping in a step (the board's sums and reads, the stop flags, the parameters
     a backward reached) runs on numpy views of shared memory, not as torch calls on tiny tensors,
     each of which costs microseconds. A step at W=1 of a small MLP, traced by ``profile_dir`` (a
-    folder the worker makes), calls at most 40 more torch operators than the same plain step:
-    zeroing, summing and dividing its gradient buffer, accumulating into it, counting the kept
-    targets, and reading three scalars, with the views they take."""
+    folder the worker makes), calls at most 48 more torch operators than the same plain step reading
+    its batch alike: zeroing, summing and dividing its gradient buffer, accumulating into it,
+    counting the kept targets, and reading three scalars, with the views they take."""
     import json
 
     torch.manual_seed(0)
@@ -559,10 +559,12 @@ def test_a_steps_own_work_calls_few_torch_operators_beside_a_plain_loops(tmp_pat
 
     opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     inputs, targets = data.tensors
+    order = torch.randperm(len(inputs))
 
-    def step(i):
+    def step(i):  # a batch read as the Trainer reads a TensorDataset's: its tensors indexed by the batch's items
+        items = order[32 * i : 32 * (i + 1)]
         opt.zero_grad()
-        F.cross_entropy(plain(inputs[32 * i : 32 * (i + 1)]), targets[32 * i : 32 * (i + 1)]).backward()
+        F.cross_entropy(plain(inputs[items]), targets[items]).backward()
         opt.step()
 
     for i in range(2):
@@ -571,4 +573,4 @@ def test_a_steps_own_work_calls_few_torch_operators_beside_a_plain_loops(tmp_pat
         for i in range(4):
             step(i)
     plains = _operators_per_step([e.name for e in profile.events()], 4)
-    assert plains < mine <= plains + 40, (mine, plains)
+    assert plains < mine <= plains + 48, (mine, plains)
