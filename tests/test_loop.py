@@ -574,3 +574,56 @@ def test_a_steps_own_work_calls_few_torch_operators_beside_a_plain_loops(tmp_pat
             step(i)
     plains = _operators_per_step([e.name for e in profile.events()], 4)
     assert plains < mine <= plains + 48, (mine, plains)
+
+
+def test_the_board_reads_what_the_workers_published_however_rare():
+    """The board's reads take a short path where every parameter was reached, no buffer changed and
+    every sum is finite; the rare cases still read exactly: a parameter no worker reached, a buffer
+    one changed, and non-finite entries, also those whose sum would look finite (+inf and -inf)."""
+    import numpy as np
+
+    from sn_trainer.engine.step.board import Board
+
+    board = Board.allocate(2, parameters=3, buffers=2)
+    board.publish(0, 0, 1.0, 2.0, 0.5, np.array([1.0, 0.0, 1.0]), np.array([0.0, 1.0]))
+    board.publish(0, 1, 3.0, 2.0, 0.5, np.array([1.0, 0.0, 0.0]))
+    totals = board.read(board.totals(0))
+    assert (totals.loss_sum, totals.count, totals.finite) == (4.0, 4.0, True)
+    assert totals.unused == (1,) and totals.changed_buffers == (1,) and totals.one_batch
+
+    board.publish(1, 0, 1.0, 2.0, float("inf"), np.ones(3), np.zeros(2))
+    board.publish(1, 1, 1.0, 2.0, float("-inf"), np.ones(3))
+    with np.errstate(invalid="ignore"):  # inf + -inf: numpy says so, as it did before the short path
+        summed = board.totals(1)
+    assert summed[2].item() == 2.0  # two non-finite entries, counted so that sums across nodes add them
+    totals = board.read(summed)
+    assert not totals.finite and totals.unused == () and totals.changed_buffers == ()
+    board.publish(0, 0, float("nan"), 2.0, 0.5, np.ones(3), np.zeros(2))
+    board.publish(0, 1, 1.0, 2.0, 0.5, np.ones(3))
+    assert not board.read(board.totals(0)).finite
+
+
+def test_the_parameters_a_backward_reached_are_read_from_their_gradients_without_hooks():
+    """Each parameter's ``.grad`` is its place in the flat gradient buffer, with a version counter
+    of its own: the counters say which parameters a step's backward passes reached (several
+    micro-batches, a branch taken in one of them), and no hook is left on the parameters."""
+    from sn_trainer.engine.memory.layout import FlatLayout
+    from sn_trainer.engine.step.board import Reached
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3), "c": torch.nn.Linear(3, 1)})
+    layout = FlatLayout(model, 1)
+    grad_flat = torch.zeros(layout.padded_numel)
+    reached = Reached(layout.attach_gradients(model, grad_flat))
+    x = torch.randn(4, 3)
+    for branch in (False, True, False):  # three steps: 'b' reached in the second only
+        grad_flat.zero_()
+        reached.start()
+        for micro in range(2):
+            out = model["a"](x)
+            if branch and micro == 1:
+                out = model["b"](out)
+            model["c"](out).sum().backward()
+        assert reached.flags().tolist() == [1.0, 1.0] + [float(branch)] * 2 + [1.0, 1.0]
+    assert torch.equal(layout.view(grad_flat, 0), model["a"].weight.grad) and grad_flat.abs().sum() > 0
+    assert not any(p._post_accumulate_grad_hooks or p._backward_hooks for p in model.parameters())

@@ -101,6 +101,13 @@ def view(flat: torch.Tensor, offset: int, shape: tuple[int, ...], channels_last:
     return flat[offset : offset + n].view(shape)
 
 
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory, with its shape and strides, that is not a view of it:
+    in-place writes to it count on its own version counter only."""
+    return torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(),
+                                                   tensor.stride())
+
+
 class FlatLayout:
     """The flat buffer's geometry for one model, one worker count and one shard kind."""
 
@@ -140,10 +147,15 @@ class FlatLayout:
                 target.copy_(p.detach())
             p.data = target
 
-    def attach_gradients(self, model: nn.Module, grad_flat: torch.Tensor) -> None:
-        """Point every parameter's ``.grad`` at its place in ``grad_flat``: backward writes there directly."""
+    def attach_gradients(self, model: nn.Module, grad_flat: torch.Tensor) -> list[torch.Tensor]:
+        """Point every parameter's ``.grad`` at its place in ``grad_flat``: backward writes there
+        directly. Each is an alias with a version counter of its own (a view shares its base's),
+        so that its counter says whether backward added to it; returned, in layout order."""
+        grads = []
         for index, (_, p) in enumerate(self._checked(model)):
-            p.grad = self.view(grad_flat, index)
+            grads.append(alias(self.view(grad_flat, index)))
+            p.grad = grads[-1]
+        return grads
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for _, p in self._checked(model)]

@@ -111,8 +111,11 @@ class ReplicaBuffers:
     def changed(self) -> np.ndarray:
         """Worker 0, after its forward passes: a 0/1 flag per buffer its step changed."""
         flags = np.zeros(len(self.links))
-        flags[self._moved()] = 1.0
-        self._seen()
+        if self.links:  # a model without buffers pays nothing here
+            moved = self._moved()
+            if moved:
+                flags[moved] = 1.0
+            self._seen()
         return flags
 
     def adopt(self, indices=None) -> None:

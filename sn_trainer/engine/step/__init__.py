@@ -1,6 +1,6 @@
 """One training step and one evaluation in a worker (``replica``): the user's loss as a sum and a
 count (``objective``), the steps compared with one process's (``verification``, the one process
-in ``reference``), each optimizer's part (``phases``,
-``schedule``), batch norm over the global batch (``batchnorm``), what workers publish before the
-reduce (``board``), and what the user's code reads while it runs (``gather``, ``position``, set
-through ``ambient``)."""
+in ``reference``), each optimizer's part (``phases``, ``schedule``), batch norm over the global
+batch (``batchnorm``), what workers publish before the reduce, the parameters a backward pass
+reached among it (``board``), and what the user's code reads while it runs (``gather``,
+``position``, set through ``ambient``)."""

@@ -44,9 +44,10 @@ def digest_terms(digest: int | None) -> torch.Tensor:
     return torch.from_numpy(_terms(digest))
 
 
-def one_digest(summed: torch.Tensor | np.ndarray) -> bool:
+def one_digest(summed: torch.Tensor | np.ndarray | list[float]) -> bool:
     """Whether the workers whose ``digest_terms`` were summed into ``summed`` had one digest."""
-    values = summed[: 2 * _PARTS + 1].tolist()
+    values = summed[: 2 * _PARTS + 1]
+    values = values if isinstance(values, list) else values.tolist()
     parts, squares, workers = values[:_PARTS], values[_PARTS : 2 * _PARTS], values[2 * _PARTS]
     return all(workers * square == part * part for part, square in zip(parts, squares))
 
@@ -97,13 +98,44 @@ class Board:
         the workers, then per-parameter use counts."""
         published = self._rows[step % 2]
         out = published.sum(axis=0)
-        out[_GRAD] = float(np.count_nonzero(~np.isfinite(published[:, :_DIGEST])))
+        # A sum of finite numbers is finite (short of an overflow past 1e308): count the non-finite
+        # entries only where the sums say there may be some.
+        if not math.isfinite(out[_LOSS] + out[_COUNT] + out[_GRAD]):
+            out[_GRAD] = float(np.count_nonzero(~np.isfinite(published[:, :_DIGEST])))
+        else:
+            out[_GRAD] = 0.0
         return torch.from_numpy(out)
 
     def read(self, totals: torch.Tensor) -> StepTotals:
-        totals = totals.numpy()
-        loss_sum, count, non_finite = totals[:_DIGEST].tolist()
-        used, changed = totals[_USED : _USED + self.parameters], totals[_USED + self.parameters :]
-        return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum),
-                          tuple(np.flatnonzero(used == 0).tolist()), tuple(np.flatnonzero(changed > 0).tolist()),
-                          one_digest(totals[_DIGEST:_USED]))
+        values = totals.numpy()
+        head = values[:_USED].tolist()
+        loss_sum, count, non_finite = head[:_DIGEST]
+        used, changed = values[_USED : _USED + self.parameters], values[_USED + self.parameters :]
+        # Most steps reach every parameter and change no buffer: one count each says so.
+        unused = tuple(np.flatnonzero(used == 0).tolist()) if np.count_nonzero(used) < used.size else ()
+        moved = tuple(np.flatnonzero(changed).tolist()) if np.count_nonzero(changed) else ()
+        return StepTotals(loss_sum, count, non_finite == 0 and math.isfinite(loss_sum), unused, moved,
+                          one_digest(head[_DIGEST:]))
+
+
+class Reached:
+    """Which parameters a step's backward passes reached, as plain PyTorch tells them apart: a
+    parameter no backward reached keeps ``.grad`` None, and the optimizer leaves it alone.
+
+    Here every ``.grad`` is its place in the flat gradient buffer, never None. Autograd adds into
+    a ``.grad`` that exists in place, which moves that tensor's version counter, and each
+    ``.grad`` has a counter of its own (``FlatLayout.attach_gradients``): the counters before and
+    after the backward passes tell which were reached, with no hook per parameter called from
+    every backward."""
+
+    def __init__(self, grads: list[torch.Tensor]):
+        self.grads = grads
+        self._versions = [g._version for g in grads]
+
+    def start(self) -> None:
+        """Before a step's first backward pass."""
+        self._versions = [g._version for g in self.grads]
+
+    def flags(self) -> np.ndarray:
+        """After its last: 1.0 for each parameter some backward pass added a gradient to, else 0.0."""
+        return np.array([g._version != seen for g, seen in zip(self.grads, self._versions)], dtype=np.float64)

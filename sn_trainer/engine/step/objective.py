@@ -320,7 +320,7 @@ def terms(value: Any, samples: int, what: str) -> tuple[torch.Tensor, float]:
 
 def _scalar(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.reshape(())
+        return value if value.dim() == 0 else value.reshape(())
     if isinstance(value, (int, float)):
         return torch.tensor(float(value), dtype=torch.float64)  # a Python float is a double
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -55,7 +55,9 @@ class WorkerPhase:
                 grad = shard_grad[piece.start - shard.start : piece.stop - shard.start]
             params.append(nn.Parameter(tensor))
             self.grads.append(grad)
+            params[-1].grad = grad
         self.params = params
+        self._left_out = False  # whether some parameter's .grad is None since the last update
         self.optimizer, self.schedule = None, None
         if phase.optimizer is None or not self.pieces:
             return  # nothing of this phase is this worker's to update
@@ -94,13 +96,19 @@ class WorkerPhase:
                 shard_grad.mul_(coef)
         if self.optimizer is None:
             return
-        left_out = set(unused)
-        for piece, param, grad in zip(self.pieces, self.params, self.grads):
-            # A parameter no worker's backward reached: .grad None, as plain PyTorch leaves it,
-            # so the optimizer leaves it alone (no decay, no momentum, no step count).
-            param.grad = None if piece.slot in left_out else grad
-        with scaled_lr(self.optimizer, self.plan.lr_factor(step_done)):
+        if unused or self._left_out:  # most steps reach every parameter, as the last one did
+            left_out = set(unused)
+            for piece, param, grad in zip(self.pieces, self.params, self.grads):
+                # A parameter no worker's backward reached: .grad None, as plain PyTorch leaves it,
+                # so the optimizer leaves it alone (no decay, no momentum, no step count).
+                param.grad = None if piece.slot in left_out else grad
+            self._left_out = bool(unused)
+        factor = self.plan.lr_factor(step_done)
+        if factor == 1.0:
             self.optimizer.step()
+        else:
+            with scaled_lr(self.optimizer, factor):
+                self.optimizer.step()
         if self.schedule is not None:
             self.schedule.after_step(step_done)
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +32,7 @@ from ..processes.signals import StopFlags
 from ..processes.stages import StageTimer
 from . import position
 from .batchnorm import synchronise
-from .board import Board, StepTotals, digest_terms, one_digest
+from .board import Board, Reached, StepTotals, digest_terms, one_digest
 from .gather import Gathering, Refusing, StepGathering, gathering
 from .objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
@@ -111,11 +110,8 @@ class Replica:
         self._compression_state: tuple[int, dict] | None = None  # compress=powersgd: (step, every node's state)
         self.reducer = self._reducer(spec)
         self.cluster = spec.cluster
-        self.layout.attach_gradients(self.model, self.reducer.grad_flat)
+        self.reached = Reached(self.layout.attach_gradients(self.model, self.reducer.grad_flat))
         self.reducer.watch(self.params, self.layout, settings.accumulate, settings.bucket_kb * 1024)
-        self.used = np.zeros(len(self.params))  # numpy: a hook per parameter per backward stores into it
-        for index, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _p, i=index, used=self.used: used.__setitem__(i, 1.0))
         if settings.sync_batchnorm:
             synchronise(self.model, self._waiting_sum)
 
@@ -133,6 +129,7 @@ class Replica:
             shard = self.layout.shards[spec.rank]
             self.verification = Verification(plan, peers, launch.verify_grads, (shard.start, shard.stop), reference)
         self.lr_used: float | None = None  # by the last step's update
+        self._refusing: dict[int, Refusing] = {}  # by id of the objective (each phase's lives as long as the run)
         self._awaited_sent = 0  # worker 0: the events it sent in this launch that it waits on the launcher for
         if share is not None and share.get("rng") is not None:
             random_state.restore(share["rng"])  # same workers: same random streams
@@ -263,7 +260,7 @@ class Replica:
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
         # barrier that closed the previous phase or step.
         self.reducer.grad_flat.zero_()
-        self.used[:] = 0.0
+        self.reached.start()
         loss_sum = count = 0.0
         step = round_ // len(self.phases)
         for micro, (batch, samples) in enumerate(micro_batches):
@@ -279,10 +276,10 @@ class Replica:
             count += micro_count
         with timer("reduce"):
             changed = self.buffers.changed() if self.rank == 0 else None
-            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(), self.used, changed,
-                                      digest)
+            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(),
+                                      self.reached.flags(), changed, digest)
             self.reducer.reduce()
-        totals = self.step_totals(round_, phase.objective)
+            totals = self.step_totals(round_, phase.objective)
         if self.rank != 0:
             with timer("update"):
                 self.buffers.adopt(totals.changed_buffers)  # worker 0 writes its buffers no more this phase
@@ -293,8 +290,12 @@ class Replica:
         where the probe saw the step gather, else refuse (its loss is split as the probe measured it)."""
         if objective.form == GATHERED:
             return StepGathering(self.rank, self.plan.workers, self._waiting_in_node)
-        return Refusing(f"{objective.what} called sn_trainer.gather, but not when its loss was probed before the run "
-                        "(on a first batch): call it on every batch")
+        refusing = self._refusing.get(id(objective))
+        if refusing is None:  # it holds no state: one per objective for the whole run
+            refusing = self._refusing[id(objective)] = Refusing(
+                f"{objective.what} called sn_trainer.gather, but not when its loss was probed before the run "
+                "(on a first batch): call it on every batch")
+        return refusing
 
     def _waiting_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         """``sum_in_node`` inside a step function (a gather): its wait for the peers is a wait."""
