@@ -66,7 +66,7 @@ def main() -> None:
         samples: dict[tuple, list[float]] = {point: [] for point in grid}
         sweep_seconds = 0.0
         tuned = None
-        for round_index in range(args.rounds):
+        for _ in range(args.rounds):
             started = time.monotonic()
             for point in grid:
                 samples[point].append(sweep_point(name, shape, batch, *point, args.steps, args.warmup))

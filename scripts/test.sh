@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test suite, set-up included (scripts/setup.sh test: training's set-up and the test toolchain):
+# The test suite, set-up included (scripts/setup.sh test: training's set-up and the test toolchain),
+# after ruff's check of the code, in tiers: the unit tier (-m unit: tests that start no process,
+# seconds in all), then the tests that start processes:
 # bash scripts/test.sh
 # Then the equivalence core again with ATen's portable kernels (default) and with AVX2's: every
 # CPU's kernels round differently, and the exactness tests must hold on all of them. The core is the
@@ -10,7 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-.venv/bin/python -m pytest -q tests "$@"
+.venv/bin/python -m ruff check .  # first: errors and likely bugs ([tool.ruff] in pyproject.toml) end it at once
+echo "the unit tier: tests that start no process"
+.venv/bin/python -m pytest -q -m unit tests "$@"
+echo "the tests that start processes: workers, launchers, commands"
+.venv/bin/python -m pytest -q -m "not unit" tests "$@"
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
     tests/test_loop.py tests/test_collate.py tests/test_prefetch.py tests/test_gather.py tests/test_word_lm.py
     tests/test_loss_probe.py tests/test_lightning_module.py tests/test_sn_backend.py"

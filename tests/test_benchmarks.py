@@ -75,6 +75,7 @@ def test_a_benchmark_over_its_time_is_stopped_with_its_processes(tmp_path, monke
     assert runner.run_one(stuck, [], None, timeout=3) == "still running after 3 s, stopped"
 
 
+@pytest.mark.unit
 def test_the_command_a_result_names_leaves_out_paths(monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "ab_checkouts.py"), "/home/someone/base", "--rounds", "3",
                                       "--out", "/home/someone/results/x", "--cases=lenet b128"])
@@ -82,12 +83,14 @@ def test_the_command_a_result_names_leaves_out_paths(monkeypatch):
     assert shown == "python benchmarks/ab_checkouts.py '<base checkout>' --rounds 3 '--cases=lenet b128'"
 
 
+@pytest.mark.unit
 def test_case_labels_name_precision_and_layout():
     assert bench.Case("lenet", 64).label == "lenet b64"
     assert bench.Case("lenet", 64, "fp32", True).label == "lenet b64 cl"
     assert bench.Case("cifar10_quick", 100, "bf16", True).label == "cifar10_quick b100 bf16+cl"
 
 
+@pytest.mark.unit
 def test_the_best_launch_table_picks_each_variants_fastest_launch():
     med = {"plain": 100.0, "plain_cpu": 120.0, "ddp": 90.0, "ddp_cpu": 95.0, "ideal": 130.0, "ideal_tcmalloc": 140.0,
            "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0}
@@ -97,6 +100,7 @@ def test_the_best_launch_table_picks_each_variants_fastest_launch():
     assert runtimes["sn_over_best_plain"] == pytest.approx(1.1)
 
 
+@pytest.mark.unit
 def test_runtime_launches_are_named_alike_for_every_variant():
     from sn_trainer.engine.node.runtime import Runtime
 
@@ -114,6 +118,7 @@ def test_runtime_launches_are_named_alike_for_every_variant():
     assert "sn_sync" in bench.variants_of(bench.Case("cifar10_quick_bn", 100))  # the cost of sync_batchnorm: its row
 
 
+@pytest.mark.unit
 def test_memory_counts_a_whole_process_tree():
     import psutil
 
@@ -121,6 +126,7 @@ def test_memory_counts_a_whole_process_tree():
     assert bench.tree_pss(me) >= bench.pss_bytes(me.pid) > 0
 
 
+@pytest.mark.unit
 def test_each_ddp_variant_launches_the_same_script_its_own_way():
     case = ddp_bench.parse_case("lenet b64 cl")
     assert case == {"label": "lenet b64 cl", "model": "lenet", "batch": 64, "channels_last": True}
@@ -139,6 +145,7 @@ def test_each_ddp_variant_launches_the_same_script_its_own_way():
     assert [v for v, c in commands.items() if "--no-pin" in c] == ["launch_sn_unpinned"]
 
 
+@pytest.mark.unit
 def test_a_busy_machine_is_said_in_the_ddp_table():
     machine = {"cpu_model": "X", "physical_cores": 2, "isa": ["avx2"], "memory_gib": 1.0, "torch": "2"}
     rows = {"lenet b64": {v: [100.0, 120.0] for v in ddp_bench.VARIANTS}}

@@ -78,6 +78,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 2)).double()
 
 
+@pytest.mark.unit
 def test_the_nodes_errors_add_up_to_what_the_factors_left_out_and_every_node_gets_the_same_bits():
     layout = FlatLayout(mlp(), 1)
     plan = shard_compression(layout, 0, 2)
@@ -100,6 +101,7 @@ def test_the_nodes_errors_add_up_to_what_the_factors_left_out_and_every_node_get
     torch.testing.assert_close(summed[m.stop :], exact[m.stop :], rtol=1e-12, atol=1e-12)  # the rest: exact
 
 
+@pytest.mark.unit
 def test_a_low_rank_gradient_comes_through_and_the_first_steps_are_exact():
     layout = FlatLayout(mlp(), 1)
     plan = shard_compression(layout, 0, 2)
@@ -119,6 +121,7 @@ def test_a_low_rank_gradient_comes_through_and_the_first_steps_are_exact():
     torch.testing.assert_close(second, low_rank[0] + low_rank[1], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.unit
 def test_a_rank_too_large_for_every_matrix_sends_all_whole_and_says_so_once():
     layout = FlatLayout(mlp(), 2)
     for shard in range(2):
@@ -132,6 +135,7 @@ def test_a_rank_too_large_for_every_matrix_sends_all_whole_and_says_so_once():
     assert torch.equal(results[0], gradients[0] + gradients[1])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, message", [
     ({"compress": "zip"}, "compress must be one of none, powersgd, got 'zip'"),
     ({"compress_rank": 0}, "compress_rank must be >= 1, got 0"),
@@ -143,6 +147,7 @@ def test_bad_compression_settings_are_refused_in_one_line(settings, message):
     assert str(caught.value) == message
 
 
+@pytest.mark.unit
 def test_several_phases_are_refused_with_compression():
     settings = TrainerConfig(compress="powersgd")
     with pytest.raises(ConfigError, match="2 optimizers in turn .*use compress=none"):

@@ -5,6 +5,8 @@ from sn_trainer.cli.config import ConfigError, RunConfig
 from sn_trainer.cli.optim import LRSchedule, build_optimizer, effective_lr
 from sn_trainer.cli.config import OptimConfig
 
+pytestmark = pytest.mark.unit  # the unit tier: starts no process
+
 
 @pytest.mark.parametrize("raw, message", [
     ({"batchsize": 3}, r"^unknown setting batchsize; did you mean batch_size\? \(every key: python -m sn_trainer "

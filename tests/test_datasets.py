@@ -14,6 +14,8 @@ from sn_trainer.cli import datasets
 from sn_trainer.cli.datasets import load_datasets
 from sn_trainer.data.datasets import random_crop_flip, read_idx
 
+pytestmark = pytest.mark.unit  # the unit tier: starts no process
+
 
 def write_idx(path, array, compress=True):
     array = np.asarray(array, dtype=np.uint8)

@@ -36,6 +36,7 @@ def test_the_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
 
 
+@pytest.mark.unit
 def test_some_blocks_are_marked_to_run():
     assert len(runnable_blocks()) >= 3
 
@@ -49,6 +50,7 @@ def test_a_block_that_claims_to_run_runs(where, code, tmp_path):
     assert proc.returncode == 0, f"{where}:\n{proc.stdout}\n{proc.stderr}"
 
 
+@pytest.mark.unit
 def test_the_readme_is_a_few_screens_that_start_with_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
@@ -56,6 +58,7 @@ def test_the_readme_is_a_few_screens_that_start_with_the_two_commands():
     assert "bash scripts/train.sh" in first_block and "bash scripts/test.sh" in first_block
 
 
+@pytest.mark.unit
 def test_the_readme_links_to_pages_that_exist():
     links = re.findall(r"\]\((docs/[^)#]+)", (ROOT / "README.md").read_text())
     assert links

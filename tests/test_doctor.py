@@ -106,6 +106,7 @@ def by_check(findings):
     return {f.check: f for f in findings}
 
 
+@pytest.mark.unit
 def test_the_machine_checks_read_a_fabricated_tree(tmp_path):
     found = by_check(machine_findings(*fabricate(tmp_path), sample_seconds=0.01, kernels=False))
     assert "SMT" in found["cores"].evidence and "workers x threads at most 2" in found["cores"].fix
@@ -117,6 +118,7 @@ def test_the_machine_checks_read_a_fabricated_tree(tmp_path):
     assert found["memory"].ok and found["NUMA"].ok and found["CPU quota"].ok
 
 
+@pytest.mark.unit
 def test_a_tree_without_cpufreq_or_swap_files_says_not_visible(tmp_path):
     sys_root, proc_root = fabricate(tmp_path, governor=None, smt=False)
     (proc_root / "meminfo").unlink()
@@ -160,6 +162,7 @@ def write_run(folder, losses=None, **changes):
     return folder
 
 
+@pytest.mark.unit
 def test_a_folder_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("nothing here")
     assert main([str(tmp_path)]) == 2
@@ -171,6 +174,7 @@ def test_a_folder_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert "not readable JSON" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_an_older_summary_says_what_it_lacks_and_reads_the_rest(tmp_path, capsys):
     old = summary()
     old["phase_seconds"] = old.pop("stage_seconds")  # its name before sn_trainer 0.3
@@ -189,6 +193,7 @@ def test_an_older_summary_says_what_it_lacks_and_reads_the_rest(tmp_path, capsys
     assert "data: not visible" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_a_sweeps_fastest_job_is_the_knee_of_the_others(tmp_path, capsys):
     write_run(tmp_path / "0_workers=2")
     write_run(tmp_path / "1_workers=4", workers=4, per_worker_batch=16.0, samples_per_sec=2000.0)
@@ -198,6 +203,7 @@ def test_a_sweeps_fastest_job_is_the_knee_of_the_others(tmp_path, capsys):
     assert "workers=2" in out
 
 
+@pytest.mark.unit
 def test_a_loss_that_diverged_after_a_larger_batch_names_scale_lr(tmp_path, capsys):
     write_run(tmp_path / "run", losses=[2.3, 2.1, 5.0, float("nan")], batch_size=512, per_worker_batch=256.0)
     assert main([str(tmp_path / "run")]) == 0
@@ -205,6 +211,7 @@ def test_a_loss_that_diverged_after_a_larger_batch_names_scale_lr(tmp_path, caps
     assert "1. loss: " in out and "optim.reference_batch=256" in out and "optim.scale_lr=true" in out
 
 
+@pytest.mark.unit
 def test_a_folder_run_times_its_files_against_the_compute(tmp_path, capsys):
     from PIL import Image
 
@@ -221,6 +228,7 @@ def test_a_folder_run_times_its_files_against_the_compute(tmp_path, capsys):
     assert "what bounds the data: per sample in a worker: the disk " in out and "the model's compute 0.5 ms" in out
 
 
+@pytest.mark.unit
 def test_memory_without_the_articles_headroom_names_a_smaller_batch(tmp_path, capsys):
     write_run(tmp_path / "run", peak_memory_bytes=14 * 2**30)  # of 16 GiB
     assert main([str(tmp_path / "run")]) == 0
@@ -228,6 +236,7 @@ def test_memory_without_the_articles_headroom_names_a_smaller_batch(tmp_path, ca
     assert "1. memory headroom: peak 14.00 GiB of 16 GiB: 12% left" in out and "batch_size=51 or smaller" in out
 
 
+@pytest.mark.unit
 def test_compile_left_off_where_tune_measured_it_faster():
     from sn_trainer.doctor import diagnose_facts
     from sn_trainer.doctor.run import RunFacts

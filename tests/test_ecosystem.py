@@ -107,6 +107,7 @@ def fake_slurm_commands(bin_dir: Path) -> dict[str, str]:
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
+@pytest.mark.unit
 def test_the_slurm_preset_asks_for_whole_nodes(tmp_path, monkeypatch):
     """hydra/launcher=slurm_node, composed as the command line composes it, through the launcher's
     own mapping into submitit: the sbatch file it would submit."""

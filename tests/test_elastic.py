@@ -243,6 +243,7 @@ def test_rewarmup_ramps_the_schedules_lr_after_a_resume_at_another_size_as_plain
     assert_exact(model, reference)
 
 
+@pytest.mark.unit
 def test_nodes_meet_on_a_fresh_token_past_one_a_dead_node_0_left():
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -268,6 +269,7 @@ def test_nodes_meet_on_a_fresh_token_past_one_a_dead_node_0_left():
     assert again.meeting != met[0].meeting  # and none of another's
 
 
+@pytest.mark.unit
 def test_nodes_with_another_compression_are_refused_naming_it():
     from sn_trainer.errors import ConfigError
     from sn_trainer.fit.agreement import AGREED_SETTINGS, agree_with_other_nodes, node_facts
@@ -317,6 +319,7 @@ def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path
         "--rdzv-id=4242", "-m", "sn_trainer", "workers=16"]
 
 
+@pytest.mark.unit
 def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_checkpoint(tmp_path):
     """A join restarts every node without counting a restart (a new node starts at 0): the
     checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job
@@ -352,6 +355,7 @@ def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_chec
             located(folder, run_id, nodes=1, node_rank=0, restart_count=restarts)  # the leader refuses another's
 
 
+@pytest.mark.unit
 def test_one_node_resumes_random_streams_only_from_a_checkpoint_one_node_wrote():
     from sn_trainer.checkpoint.resume import streams_resume
 

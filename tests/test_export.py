@@ -62,6 +62,7 @@ def test_a_checkpoint_written_before_ties_were_recorded_exports_what_load_model_
         assert torch.equal(value, saved["model"][name]), name
 
 
+@pytest.mark.unit
 def test_only_a_name_the_optimizer_leaves_out_is_taken_for_an_equal_copys_alias():
     weight = torch.randn(3, 4)
     model = {"a": weight, "b": weight.clone(), "frozen": weight.clone()}

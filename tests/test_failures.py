@@ -110,6 +110,7 @@ class ModelWithALock(SmallConvNet):
         self.lock = threading.Lock()  # no process can receive a lock
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, message", [
     (dict(workers=0), "workers must be >= 1"),
     (dict(workers=2, batch_size=1), "batch_size=1 is smaller than workers=2"),

@@ -315,6 +315,7 @@ class FillsUp(io.FileIO):
         return super().write(data)
 
 
+@pytest.mark.unit
 def test_a_full_disk_raises_the_os_error_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
     """torch.save's zip writer, failing to write, raises a RuntimeError of its own while closing:
     the caller must still see the OSError (ENOSPC), which the Trainer reports in one line."""

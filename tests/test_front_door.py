@@ -10,6 +10,7 @@ from sn_trainer import CheckpointConfig, ConfigError, Trainer, TrainerConfig
 from sn_trainer.config import setting_rows
 
 
+@pytest.mark.unit
 def test_the_signature_lists_every_setting_with_its_default():
     parameters = inspect.signature(Trainer).parameters
     rows = list(setting_rows())
@@ -19,6 +20,7 @@ def test_the_signature_lists_every_setting_with_its_default():
     assert parameters["checkpoint_keep"].default == 3 and parameters["workers"].default == "auto"
 
 
+@pytest.mark.unit
 def test_help_names_every_setting_with_its_default_and_meaning():
     page = re.sub(r"\n *\| ?", "\n", pydoc.render_doc(Trainer, renderer=pydoc.plaintext))  # the class's margin
     shown = " ".join(page.split())
@@ -36,6 +38,7 @@ def test_a_config_keywords_or_both():
     assert Trainer(config).settings.workers == 1  # what this machine makes of them
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, message", [
     ({"batchsize": 8}, r"^unknown setting batchsize; did you mean batch_size\? \(every setting: help\(sn_trainer."
                        r"TrainerConfig\)\)$"),
@@ -50,6 +53,7 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
         Trainer(**settings)
 
 
+@pytest.mark.unit
 def test_only_a_config_is_taken_positionally():
     with pytest.raises(ConfigError, match="Trainer takes a TrainerConfig or the settings as keywords"):
         Trainer({"batch_size": 8})

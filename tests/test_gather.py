@@ -194,6 +194,7 @@ def test_gather_returns_the_global_batch_in_sample_order(tmp_path):
     assert_exact(model, reference)
 
 
+@pytest.mark.unit
 def test_gather_is_the_identity_outside_a_run():
     tensor = torch.randn(3, 2, requires_grad=True)
     assert sn_trainer.gather(tensor) is tensor

@@ -148,6 +148,7 @@ def test_an_unchanged_script_on_torchs_default_backend_trains_over_sn_with_cpu_b
             in err)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("asked, made", [
     ("gloo", "sn"), ("undefined", "sn"),  # named, or torch's default on a machine without an accelerator
     ("cpu:gloo,cuda:nccl", "cpu:sn,cuda:nccl"),  # only the CPU part: what the program asked for CUDA stays
@@ -159,6 +160,7 @@ def test_cpu_backend_sn_replaces_gloo_on_cpu_and_nothing_else(asked, made):
     assert on_sn(asked) == made
 
 
+@pytest.mark.unit
 def test_auto_is_the_usable_physical_cores_over_the_threads_in_numa_order(tmp_path):
     topology = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=4, smt=True), proc_root=tmp_path / "no")
     runtime = Runtime("system", "gnu")
@@ -174,6 +176,7 @@ def test_auto_is_the_usable_physical_cores_over_the_threads_in_numa_order(tmp_pa
     assert (shared_out.threads, shared_out.cpus) == (4, ((0, 1, 2, 3), (4, 5, 6, 7)))
 
 
+@pytest.mark.unit
 def test_auto_follows_a_containers_cpu_quota(tmp_path):
     root = make_sys(tmp_path, sockets=1, cores_per_socket=8, smt=False)
     proc = tmp_path / "proc" / "self"
@@ -185,6 +188,7 @@ def test_auto_follows_a_containers_cpu_quota(tmp_path):
     assert (plan.nproc, plan.cpus) == (3, ((0,), (1,), (2,)))
 
 
+@pytest.mark.unit
 def test_more_processes_than_cores_run_unpinned_said_in_one_line(tmp_path):
     topology = read_topology(make_sys(tmp_path, sockets=1, cores_per_socket=2, smt=False), proc_root=tmp_path / "no")
     plan = resolve("3", None, True, Runtime("system", "gnu"), topology, {})
@@ -192,6 +196,7 @@ def test_more_processes_than_cores_run_unpinned_said_in_one_line(tmp_path):
     assert plan.lines()[0].startswith("sn_trainer.launch: warning: 3 processes x 1 threads need 3 physical cores")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("threads, nproc, environment, says", [
     (0, "2", {}, "--threads-per-proc=0: give at least 1"),
     (None, "lots", {}, "--nproc-per-node=lots: give a number of processes, or auto"),
@@ -214,6 +219,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, flags, says):
     assert rc == 2 and err.startswith(says) and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.unit
 def test_everything_after_the_script_is_the_scripts_and_launcher_flags_are_never_abbreviated(capsys):
     """Parsing only: no process starts. torchrun's parser takes abbreviations (argparse's default),
     so a script's --n was refused as ambiguous and --no-p could become --no-pin; the launcher's

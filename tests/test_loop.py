@@ -576,6 +576,7 @@ def test_a_steps_own_work_calls_few_torch_operators_beside_a_plain_loops(tmp_pat
     assert plains < mine <= plains + 48, (mine, plains)
 
 
+@pytest.mark.unit
 def test_the_board_reads_what_the_workers_published_however_rare():
     """The board's reads take a short path where every parameter was reached, no buffer changed and
     every sum is finite; the rare cases still read exactly: a parameter no worker reached, a buffer
@@ -603,6 +604,7 @@ def test_the_board_reads_what_the_workers_published_however_rare():
     assert not board.read(board.totals(0)).finite
 
 
+@pytest.mark.unit
 def test_the_parameters_a_backward_reached_are_read_from_their_gradients_without_hooks():
     """Each parameter's ``.grad`` is its place in the flat gradient buffer, with a version counter
     of its own: the counters say which parameters a step's backward passes reached (several

@@ -98,6 +98,7 @@ def stack(items):
     return tuple(torch.stack(parts) for parts in zip(*items))
 
 
+@pytest.mark.unit
 def test_the_probes_own_samples_show_no_padding():
     data = Tokens()  # what a probe of its first 8, or of 8 spread over the set, measures
     for picked in (range(8), torch.linspace(0, len(data) - 1, 8).round().long().tolist()):
@@ -270,6 +271,7 @@ def test_augmentation_from_the_global_generators_is_like_ddp_and_seeded_per_samp
     assert_exact(model, reference)
 
 
+@pytest.mark.unit
 def test_a_loss_of_per_sample_parts_is_advised_its_sum_and_count():
     data = Tokens()
     picked = [0, 8, 9, 10, 11, 12]  # full rows and short ones: a token mean, visibly not a sample mean
@@ -325,6 +327,7 @@ class NoisyHead(nn.Module):
         return self.fc(F.dropout(x, 0.5, training=self.training))
 
 
+@pytest.mark.unit
 def test_random_draws_of_training_mode_alone_are_measured_in_eval_mode_and_other_draws_are_refused():
     x, y = torch.randn(6, 3, dtype=F64), torch.randint(0, 2, (6,))
     group, singles = (x, y), [(x[i : i + 1], y[i : i + 1]) for i in range(6)]

@@ -5,6 +5,8 @@ import torch
 from sn_trainer.errors import ConfigError
 from sn_trainer.models import build_model
 
+pytestmark = pytest.mark.unit  # the unit tier: starts no process
+
 
 @pytest.mark.parametrize("name, shape, classes, params", [
     ("lenet", (1, 28, 28), 10, 431_080),        # Caffe's lenet_train_test.prototxt

@@ -81,6 +81,7 @@ def test_a_dead_worker_on_one_node_stops_both_nodes(tmp_path):
     assert processes_with_marker(marker) == []
 
 
+@pytest.mark.unit
 def test_torchrun_environment_is_read_and_checked():
     env = {"TORCHELASTIC_RUN_ID": "r1", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "3", "RANK": "2",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "1",
@@ -132,7 +133,7 @@ def test_two_nodes_talk_over_a_veth_pair(tmp_path, veth_pair):
     nodes = []
     # A static rendezvous at node a's veth address: under c10d, torchrun hands the workers the
     # rendezvous host's own host name as MASTER_ADDR, and both namespaces share this machine's.
-    for node_rank, (side, (ns, device, _)) in enumerate(veth_pair.items()):
+    for node_rank, (_side, (ns, device, _)) in enumerate(veth_pair.items()):
         env = {**os.environ, "SN_TEST_MARKER": marker}
         nodes.append(subprocess.Popen(
             ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, "-m",

@@ -47,6 +47,7 @@ def test_the_yaml_defaults_are_the_dataclass_defaults():
     RunConfig.from_dict(composed())  # and it builds
 
 
+@pytest.mark.unit
 def test_every_group_option_sets_known_keys_only():
     for group in ("model", "dataset", "optim"):
         for path in sorted((CONF / group).glob("*.yaml")):
@@ -55,6 +56,7 @@ def test_every_group_option_sets_known_keys_only():
             assert set(keys) <= known, f"{path.name}: unknown keys {set(keys) - known}"
 
 
+@pytest.mark.unit
 def test_the_settings_reference_holds_the_generated_tables():
     page = (ROOT / "docs" / "reference" / "settings.md").read_text()
     assert options_markdown() in page, "docs/reference/settings.md's command-line table is stale: paste the output " \
@@ -73,6 +75,7 @@ def test_help_explains_every_key_with_its_default(tmp_path):
         assert " ".join(help_text.replace("`", "").split()) in shown, key  # the whole text, however wrapped
 
 
+@pytest.mark.unit
 def test_one_name_per_setting():
     """No two settings share a name across groups (as the run's seed and the dataset's once did), but
     each group's ``name``: which model, dataset or optimizer (``model=lenet`` sets ``model.name``)."""
@@ -83,6 +86,7 @@ def test_one_name_per_setting():
     assert shared == {"name": ["model.name", "dataset.name", "optim.name"]}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args", [
     ["dataset.augment=true"],  # fashion_mnist reads it: its YAML lists it
     ["dataset=synthetic", "dataset.data_seed=1"],
@@ -100,6 +104,7 @@ def test_a_group_key_the_chosen_option_reads_is_let_through(args):
     assert not GlobalHydra.instance().is_initialized()  # left for the run's own Hydra
 
 
+@pytest.mark.unit
 def test_each_group_option_lists_the_keys_it_reads():
     """What an option's YAML leaves out is refused on the command line: what it reads, it lists."""
     dataset = {path.stem: set(OmegaConf.load(path)) for path in (CONF / "dataset").glob("*.yaml")}
@@ -109,6 +114,7 @@ def test_each_group_option_lists_the_keys_it_reads():
     assert {name for name, keys in dataset.items() if "test_fraction" in keys} == {"folder", "text"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key", ["measure_after", "profile_dir"])
 def test_api_only_settings_are_refused_on_the_command_line(key):
     from sn_trainer import ConfigError

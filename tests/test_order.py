@@ -99,6 +99,7 @@ def test_a_stream_is_read_in_its_own_order_whatever_shuffle_says(caplog):
     assert_exact(models[False], plain_in_order(copy.deepcopy(start), 3))
 
 
+@pytest.mark.unit
 def test_a_checkpoint_from_before_shuffle_was_recorded_counts_as_shuffled():
     older = {"run": {"batch_size": BATCH, "accumulate": 1, "seed": 3, "drop_last": True, "dataset_size": N}}
     order = dict(older["run"], shuffle=True)

@@ -132,6 +132,7 @@ def test_images_in_random_resized_crops_train_as_torchvisions_recipe_in_a_plain_
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, refusal", [
     (dict(name="folder", augment="resized_crops"),
      r"dataset.augment must be true, false, null, crop_flip or resized_crop, got 'resized_crops'"),
@@ -185,6 +186,7 @@ def test_data_that_draws_global_random_numbers_is_not_read_ahead(caplog):
     assert torch.equal(torch.get_rng_state(), state)  # the launcher's reading leaves the caller's stream alone
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("threads, draws_random, prefetch, workers, decided", [
     (1, False, "auto", 2, True), (2, False, "auto", 2, False),  # several threads fill a worker's cores: inline
     (1, True, "auto", 2, False), (2, False, True, 2, True), (1, False, False, 2, False),

@@ -6,7 +6,7 @@ from torch import nn
 from sn_trainer.engine.collectives.comm import GlooReducer, ReducerSetup
 from sn_trainer.engine.memory.layout import FlatLayout
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]  # the unit tier: starts no process
 
 
 def three_layers():

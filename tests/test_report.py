@@ -64,6 +64,7 @@ def test_skipped_jobs_are_recorded_and_left_out(tmp_path):
     assert run_module("sn_trainer.report", [str(tmp_path)], cwd=tmp_path).returncode == 2
 
 
+@pytest.mark.unit
 def test_speed_axes_start_at_zero_and_a_shared_machine_is_flagged():
     import matplotlib
 

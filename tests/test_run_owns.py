@@ -147,7 +147,7 @@ def test_without_flock_the_locks_process_decides_where_this_machine_can_tell(tmp
     lock.write_text(f"{someone_elses_process}\n{here} start=12.5\n")  # its pid, another process: taken over
     with CheckpointDir(tmp_path).claimed():
         pass
-    lock.write_text(f"1\nboot=another pidns=1 start=12.5\n")  # another machine or container: cannot tell
+    lock.write_text("1\nboot=another pidns=1 start=12.5\n")  # another machine or container: cannot tell
     with pytest.raises(CheckpointError, match=r"may be written by a run on another machine or container \(process "
                                               r"1 there; this file system has no flock\(\) to tell\); if none is, "
                                               r"delete .*\.lock$"):

@@ -1,7 +1,10 @@
 """The global order and each worker's slice of it."""
+import pytest
 import torch
 
 from sn_trainer.data.sampler import GlobalBatches, epoch_order, slice_bounds
+
+pytestmark = pytest.mark.unit  # the unit tier: starts no process
 
 
 def test_slices_partition_the_batch_and_differ_by_at_most_one():

@@ -132,6 +132,7 @@ class QueueDepth:
     depth: int
 
 
+@pytest.mark.unit
 def test_an_event_reaches_the_callback_method_it_names():
     class Listens(Callback):
         def __init__(self):

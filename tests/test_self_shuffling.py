@@ -83,6 +83,7 @@ def test_an_evaluation_on_a_stream_the_workers_read_in_different_orders_is_an_er
                                             "items for the evaluation)")
 
 
+@pytest.mark.unit
 def test_the_board_tells_one_digest_from_two_in_a_node_and_across_nodes():
     def totals(digests):
         board = Board.allocate(len(digests), parameters=1)
@@ -99,6 +100,7 @@ def test_the_board_tells_one_digest_from_two_in_a_node_and_across_nodes():
     assert not read(totals([d, d]) + totals([e, e])).one_batch
 
 
+@pytest.mark.unit
 def test_an_item_digest_follows_order_and_content_not_storage():
     def digest(*items):
         h = ItemDigest()

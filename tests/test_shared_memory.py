@@ -49,6 +49,7 @@ def vector(numel):
     return torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(numel))])
 
 
+@pytest.mark.unit
 def test_elementwise_shards_cover_the_parameters_exactly():
     for numel in (1, 5, 97, 1000):
         for world in (1, 2, 3, 7):
@@ -58,6 +59,7 @@ def test_elementwise_shards_cover_the_parameters_exactly():
             assert len({s.padded_size for s in shards}) == 1
 
 
+@pytest.mark.unit
 def test_whole_tensor_shards_are_runs_of_whole_parameters_balanced_by_size():
     sizes = [50, 10, 10, 30, 5, 5, 40]
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
@@ -71,6 +73,7 @@ def test_whole_tensor_shards_are_runs_of_whole_parameters_balanced_by_size():
     assert [s.size for s in few.shards] == [4, 0, 0]  # more workers than tensors: some update nothing
 
 
+@pytest.mark.unit
 def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_back():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4, 2))
@@ -132,6 +135,7 @@ def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
     shared.release()
 
 
+@pytest.mark.unit
 def test_numa_maps_lines_are_read_by_node(tmp_path):
     tensor = torch.zeros(4)
     address = tensor.data_ptr()

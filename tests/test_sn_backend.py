@@ -325,6 +325,7 @@ def test_a_group_across_two_machines_sums_in_each_then_between_them_exactly(tmp_
             torch.testing.assert_close(sn, reference, rtol=0, atol=1e-12)
 
 
+@pytest.mark.unit
 def test_the_c_core_through_ctypes_as_where_no_python_headers_are_found(monkeypatch):
     """One rank, in this process: each collective through the ctypes surface (a machine without Python's
     headers builds the library without its CPython module) gives what the module gives."""

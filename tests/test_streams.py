@@ -229,6 +229,7 @@ class SharedEpoch(Shuffled):
         pass  # Shuffled.__init__ sets it; the shared tensor holds it
 
 
+@pytest.mark.unit
 def test_each_worker_reads_a_copy_of_the_stream_of_its_own():
     """A worker's passes must not move another's: each source reads its own copy of the stream,
     and the stream it was given (whose state other workers may share) is left as it was."""

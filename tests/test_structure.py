@@ -49,7 +49,7 @@ ENGINE_ROOMS = {
     "worker": 7,  # one worker process's life
 }
 
-# A folder is a room a reader can enter (STYLE.md, habit 14): past a dozen modules, its parts
+# A folder is a room a reader can enter (CONTRIBUTING.md, "The house"): past a dozen modules, its parts
 # deserve sub-packages of their own.
 MAX_MODULES = 12
 
@@ -120,6 +120,7 @@ def from_module(node: ast.ImportFrom, package: str) -> str:
     return base
 
 
+@pytest.mark.unit
 def test_imported_modules_resolves_relative_imports(tmp_path):
     source = tmp_path / "x.py"
     source.write_text("from .. import checkpoint\nfrom ..report.machine import f\ndef g():\n    import json\n")
@@ -152,6 +153,7 @@ def test_every_main_module_is_checked_at_its_packages_layer():
     assert layer("sn_trainer.report.__main__") == LAYERS["report"] < layer("sn_trainer.__main__")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("main_py, offender", [
     # the tuner's command line as it was: fit -> tuner -> trainer -> fit
     ("def predict():\n    from ..trainer import Trainer\n", "sn_trainer.tuner.__main__ imports sn_trainer.trainer"),
@@ -201,6 +203,7 @@ def test_the_three_imports_that_ran_back_up_stay_gone(where, forbidden):
     assert offenders == []
 
 
+@pytest.mark.unit
 def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
     """The check above is not vacuous: an upward import is one it reports."""
     source = tmp_path / "sweep.py"
@@ -209,6 +212,7 @@ def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
     assert "sn_trainer.trainer" in targets and layer("sn_trainer.trainer") > layer("sn_trainer.report.sweep")
 
 
+@pytest.mark.unit
 def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
     offenders = []
     for path in sorted((PACKAGE / "engine").rglob("*.py")):
@@ -254,18 +258,22 @@ def crowded_folders(package: Path = PACKAGE) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_every_engine_module_has_a_room():
     assert engine_modules_without_a_room() == []
 
 
+@pytest.mark.unit
 def test_no_engine_module_imports_a_higher_room():
     assert engine_imports_back_up() == []
 
 
+@pytest.mark.unit
 def test_no_package_folder_holds_more_than_a_dozen_modules():
     assert crowded_folders() == []
 
 
+@pytest.mark.unit
 def test_an_engine_import_up_a_room_is_found(tmp_path):
     """The room check is not vacuous: the memory room reaching up into the step is reported."""
     package = tmp_path / "sn_trainer"
@@ -279,6 +287,7 @@ def test_an_engine_import_up_a_room_is_found(tmp_path):
                                                "sn_trainer.engine.plan imports sn_trainer.engine.step.replica"]
 
 
+@pytest.mark.unit
 def test_the_old_flat_engine_fails_the_room_checks(tmp_path):
     """The engine as it was, 30 modules side by side: a folder too crowded to enter, and modules
     in no room."""
@@ -325,10 +334,12 @@ def settings_redeclared(package: Path) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_no_setting_has_a_default_anywhere_but_in_trainer_config():
     assert settings_redeclared(PACKAGE) == []
 
 
+@pytest.mark.unit
 def test_a_second_default_of_a_setting_is_found(tmp_path):
     """The check above is not vacuous: a class giving batch_size a default of its own is caught."""
     (tmp_path / "plan.py").write_text("from dataclasses import dataclass\n\n@dataclass(frozen=True)\nclass Plan:\n"
@@ -338,6 +349,7 @@ def test_a_second_default_of_a_setting_is_found(tmp_path):
     assert settings_redeclared(tmp_path) == ["Plan.batch_size (plan.py)"]
 
 
+@pytest.mark.unit
 def test_the_plan_and_the_placement_repeat_no_setting():
     """What the workers read holds the settings themselves, decided, and only what follows from them."""
     from dataclasses import fields
@@ -346,3 +358,25 @@ def test_the_plan_and_the_placement_repeat_no_setting():
 
     settings = {row.keyword for row in setting_rows()} | {f.name for f in fields(sn_trainer.config.TrainerConfig)}
     assert [f.name for kind in (Plan, Placement) for f in fields(kind) if f.name in settings] == []
+
+
+# --- the unit tier -------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_a_unit_test_that_starts_a_process_fails():
+    """``-m unit`` selects tests that start no process; tests/conftest.py holds them to it: in a
+    test marked unit, every way to start one (subprocess, multiprocessing's fork and spawn, os)
+    raises instead (without starting one: the refusal comes first)."""
+    import multiprocessing
+    import os
+    import subprocess
+
+    with pytest.raises(AssertionError, match=r"is marked unit but started a process \(_fork_exec\)"):
+        subprocess.run(["true"])
+    for method in ("fork", "forkserver", "spawn"):
+        with pytest.raises(AssertionError, match=r"started a process \(start\)"):
+            multiprocessing.get_context(method).Process(target=print).start()
+    with pytest.raises(AssertionError, match=r"started a process \(fork\)"):
+        os.fork()
+    with pytest.raises(AssertionError, match=r"started a process \(system\)"):
+        os.system("true")

@@ -29,6 +29,7 @@ def write_text(tmp_path, content=SAMPLE):
     return folder
 
 
+@pytest.mark.unit
 def test_text_becomes_a_shared_token_file_of_windows_and_a_held_out_tail(tmp_path):
     folder = write_text(tmp_path)
     data = load_text(str(folder), "char", block_size=8, test_fraction=0.25)
@@ -66,6 +67,7 @@ class StubBPE:
         return " ".join(map(str, ids))
 
 
+@pytest.mark.unit
 def test_gpt2_tokens_fit_the_token_file(tmp_path, monkeypatch):
     monkeypatch.setattr(text_data, "_gpt2", StubBPE)
     data = load_text(str(write_text(tmp_path)), "gpt2", block_size=4, test_fraction=0.2, cache_dir=tmp_path / "cache")

@@ -5,6 +5,8 @@ import pytest
 
 from sn_trainer.engine.node.topology import auto_workers, parse_cpu_list, plan_pinning, read_topology
 
+pytestmark = pytest.mark.unit  # the unit tier: starts no process
+
 
 def make_sys(tmp_path, sockets, cores_per_socket, smt):
     """A sysfs tree like Linux's: logical CPUs numbered socket-major, SMT siblings in the top half."""

@@ -15,12 +15,14 @@ from sn_trainer.engine.node.runtime import Runtime, available_allocators, availa
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.unit
 def test_a_line_through_timings_recovers_fixed_and_per_sample_costs():
     alpha, beta = tune.fit_line([(16, 0.002 + 16 * 1e-4), (64, 0.002 + 64 * 1e-4), (128, 0.002 + 128 * 1e-4)])
     assert alpha == pytest.approx(0.002) and beta == pytest.approx(1e-4)
     assert tune.fit_line([(10, 0.5)]) == (0.0, 0.05)
 
 
+@pytest.mark.unit
 def test_the_model_shows_the_knee_of_the_papers_figures():
     # 2 ms a step that no batch shrinks, 0.1 ms a sample, 1 ms to synchronise 2 workers.
     cal = tune.Calibration({1: (0.002, 1e-4)}, sync_two=0.001, sync_per_doubling=0.0005)
@@ -34,6 +36,7 @@ def test_the_model_shows_the_knee_of_the_papers_figures():
     assert rates[64] < rates[knee]
 
 
+@pytest.mark.unit
 def test_shared_cores_and_memory_bandwidth_slow_predictions_down():
     cal = tune.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0, bytes_per_sample=1e6)
     assert tune.predict(cal, tune.Machine(cores=2), 64, 4, 1) == pytest.approx(tune.predict(
@@ -43,11 +46,13 @@ def test_shared_cores_and_memory_bandwidth_slow_predictions_down():
     assert fast == pytest.approx(64 / 8e-3) and starved == pytest.approx(2e9 / 1e6)  # bandwidth-bound
 
 
+@pytest.mark.unit
 def test_threads_not_measured_split_the_per_sample_work_of_the_nearest_below():
     cal = tune.Calibration({1: (0.001, 1e-4), 2: (0.001, 6e-5)}, 0.0, 0.0)
     assert tune.compute_seconds(cal, 4, 100) == pytest.approx(0.001 + 6e-5 * 2 / 4 * 100)
 
 
+@pytest.mark.unit
 def test_the_search_verifies_the_best_predictions_and_the_runtimes():
     calls = []
 
@@ -77,6 +82,7 @@ def test_the_search_verifies_the_best_predictions_and_the_runtimes():
     assert len(calls) <= 9  # calibration reuses its runs: no candidate is measured twice
 
 
+@pytest.mark.unit
 def test_a_runtime_that_favours_the_runner_up_moves_the_choice_there():
     def measure(workers, threads, batch, runtime):  # Intel's OpenMP: a little faster at 2 x 1, twice at 1 x 2
         seconds = 0.001 + 1e-4 * batch / workers / threads ** 0.5 + (0.0005 if workers > 1 else 0.0)
@@ -89,6 +95,7 @@ def test_a_runtime_that_favours_the_runner_up_moves_the_choice_there():
     assert tune.winner(rows, runtimes)[:3] == (1, 2, Runtime("system", "intel"))
 
 
+@pytest.mark.unit
 def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = SmallConvNet()
@@ -148,6 +155,7 @@ def test_the_runtime_is_preloaded_in_the_workers_and_trains_the_same(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.unit
 def test_a_runtime_that_is_not_installed_is_refused_up_front(monkeypatch):
     from sn_trainer.engine.node import runtime
 

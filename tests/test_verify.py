@@ -28,6 +28,7 @@ F64 = torch.float64
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
+@pytest.mark.unit
 def test_the_schedule_keeps_its_gaps_bounded_and_checks_the_last_step():
     from sn_trainer.engine.step.verification import Schedule
 

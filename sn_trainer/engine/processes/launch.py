@@ -318,7 +318,7 @@ def launch(
     ctx = _context(start_method, runtime)
     procs, conns, inbox = [], [], None
     try:
-        for payload in payloads:
+        for _ in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
             spawned = ctx.get_start_method() == "spawn"
