@@ -396,6 +396,41 @@ def test_a_restart_rewinds_the_callbacks_and_the_history_to_its_checkpoint(tmp_p
     assert_same_parameters(crashed_model.inner, model)
 
 
+@pytest.mark.unit
+def test_a_checkpoint_keeps_the_callbacks_as_they_were_at_its_step_whichever_part_comes_last(tmp_path, monkeypatch):
+    """Worker 0 sends its events (progress, evaluations) and its part of a checkpoint in order,
+    but another worker's part can come after worker 0's events of later steps: the checkpoint of
+    step 4 keeps the callbacks as worker 0's part of it found them, not as they are when the last
+    part comes (CI saw a restart from step 4 resume an early stopping's patience counted at step 6)."""
+    from types import SimpleNamespace
+
+    from sn_trainer.callbacks import Callbacks
+    from sn_trainer.checkpoint import files
+    from sn_trainer.checkpoint.writer import CheckpointWriter
+    from sn_trainer.engine.events import CheckpointPart
+    from sn_trainer.engine.processes.launch import pack
+
+    class Evaluations(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def state_dict(self):
+            return {"steps": self.steps}  # the live list: what the checkpoint keeps must not follow it
+
+    evaluations = Evaluations()
+    directory = SimpleNamespace(path=tmp_path, save=lambda saved: tmp_path / f"step-{saved['step']}.pt")
+    writer = CheckpointWriter(directory, SimpleNamespace(world_size=2), [], {}, None, Callbacks([evaluations]))
+    kept = {}  # the file's contents stand for themselves: its step and the callbacks' states
+    monkeypatch.setattr(files, "build", lambda step, *args, callbacks, **kwargs: kept.setdefault(
+        step, {"step": step, "model": {}, "callbacks": copy.deepcopy(callbacks)}))
+    part = pack({"model": {}, "rng": None, "phases": []})  # a model without parameters, no optimizer
+    evaluations.steps.append(4)
+    writer.on_checkpoint_part(None, CheckpointPart(0, 4, part))
+    evaluations.steps.append(6)  # worker 0's evaluation of step 6, handled before worker 1's part of step 4 came
+    writer.on_checkpoint_part(None, CheckpointPart(1, 4, part))
+    assert list(kept[4]["callbacks"].values()) == [{"steps": [4]}] and writer.last_saved == tmp_path / "step-4.pt"
+
+
 class StopsAtStep(Callback):
     """Asks the run to stop when told of step ``step`` (a logged step)."""
 

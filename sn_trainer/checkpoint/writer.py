@@ -1,6 +1,7 @@
 """In the launcher: every worker's part of a checkpoint gathered into one file, written when complete."""
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,16 +35,25 @@ class CheckpointWriter(Callback):
         self.directory, self.layout, self.phases = directory, layout, phases
         self.sample_order, self.run_config, self.callbacks = sample_order, run_config, callbacks
         self._parts: dict[int, dict[int, dict[str, Any]]] = {}
+        self._states: dict[int, dict[str, Any]] = {}  # by step: the callbacks' states when worker 0's part came
         self.last_saved: Path | None = None
         self.carried: dict[str, Any] = {}
 
     def on_checkpoint_part(self, trainer, part: CheckpointPart) -> None:
+        if self.directory is None:
+            return
         parts = self._parts.setdefault(part.step, {})
         parts[part.rank] = unpack(part.data)
-        if self.directory is None or len(parts) < self.layout.world_size:
+        if part.rank == 0:
+            # The callbacks as they are at this step: worker 0 sends every event that moves them
+            # (progress, evaluations) and its part after its step's events, in order, while another
+            # worker's part may come after worker 0's events of later steps.
+            self._states[part.step] = copy.deepcopy(self.callbacks.states())
+        if len(parts) < self.layout.world_size:
             return
         del self._parts[part.step]
-        saved = self._assemble(part.step, [parts[r] for r in range(self.layout.world_size)])
+        saved = self._assemble(part.step, [parts[r] for r in range(self.layout.world_size)],
+                               self._states.pop(part.step))
         if not files.is_finite(saved):  # finite gradients, and yet: an update overflowed
             raise TrainingDiverged(part.step, parameters=True)
         try:
@@ -54,9 +64,9 @@ class CheckpointWriter(Callback):
         log.info("checkpoint: %s", self.last_saved)
         self.callbacks.call("on_checkpoint", trainer, self.last_saved)
 
-    def _assemble(self, step: int, ordered: list[dict[str, Any]]) -> dict[str, Any]:
+    def _assemble(self, step: int, ordered: list[dict[str, Any]], callbacks: dict[str, Any]) -> dict[str, Any]:
         """One checkpoint from every worker's part, in rank order: each phase's optimizer state per
-        parameter name, the model's, every worker's random state."""
+        parameter name, the model's, every worker's random state; and the callbacks' states."""
         optimizers, schedules = [], []
         for index, phase in enumerate(self.phases):
             held = [p["phases"][index]["optimizer"] for p in ordered]
@@ -70,7 +80,7 @@ class CheckpointWriter(Callback):
                **self.carried}
         saved = files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
                             schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
-                            callbacks=self.callbacks.states())
+                            callbacks=callbacks)
         if all("compress" in p for p in ordered):  # compress=powersgd: each shard's, of every node
             saved["compress"] = [p["compress"] for p in ordered]
         return saved
