@@ -130,7 +130,7 @@ class Reached:
 
     def __init__(self, grads: list[torch.Tensor]):
         self.grads = grads
-        self._versions = [g._version for g in grads]
+        self.start()
 
     def start(self) -> None:
         """Before a step's first backward pass."""
