@@ -8,6 +8,10 @@ Prints:
   declare a field named as a setting (a ``<Name>Config``'s field ``f`` is the setting ``<name>_f``:
   ``CheckpointConfig.dir`` is ``checkpoint_dir``), how many such fields, how many of them with a
   default of their own, and the most declarations of any one setting;
+- the engine's face: the imports from outside ``engine/`` of a module inside one of its rooms
+  (``engine.<room>.<module>``), as pairs of (importing module, engine module);
+- namesakes: file names that two modules share, and modules named like one of the package's folders;
+- sizes: the modules over 400 lines and the classes over 250;
 - what each of three extensions touches, as the modules that name the kinds it adds to:
   a data source (modules naming a class with ``micro_slice``, or comparing with a source kind's
   string), a reducer (modules naming a reducer kind: a class with ``reduce``, ``barrier`` and a
@@ -188,6 +192,68 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
             for line in out]
 
 
+def module_of(path: str) -> str:
+    """``sn_trainer/engine/step/board.py`` -> ``sn_trainer.engine.step.board`` (a package: its name)."""
+    parts = path[:-3].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Every module path an import names, relative ones resolved (``from p import m`` counts ``p.m``)."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def face_report(mods: dict[str, ast.Module]) -> list[str]:
+    known = {module_of(p) for p in mods}
+    pairs = set()
+    for path, tree in mods.items():
+        name = module_of(path)
+        if name.startswith("sn_trainer.engine"):
+            continue
+        for target in imported(tree, name, path.endswith("__init__.py")):
+            parts = target.split(".")
+            if target in known and parts[:2] == ["sn_trainer", "engine"] and len(parts) >= 4:
+                pairs.add((name, target))
+    reached = sorted({t for _, t in pairs})
+    return [f"engine modules inside its rooms imported from outside the engine: {len(reached)}, in {len(pairs)} pairs",
+            *(f"  {t}: from {', '.join(sorted(s.removeprefix('sn_trainer.') for s, u in pairs if u == t))}"
+              for t in reached)]
+
+
+def namesake_report(mods: dict[str, ast.Module]) -> list[str]:
+    by_name = defaultdict(list)
+    folders = {Path(p).parent.name for p in mods if p.endswith("/__init__.py")}
+    for path in mods:
+        name = Path(path).name
+        if name not in ("__init__.py", "__main__.py"):
+            by_name[name].append(path)
+    shared = {n: ps for n, ps in sorted(by_name.items()) if len(ps) > 1}
+    like_folder = sorted(p for n, ps in by_name.items() for p in ps if n[:-3] in folders)
+    return [f"file names two modules share: {len(shared)}",
+            *(f"  {n}: {', '.join(ps)}" for n, ps in shared.items()),
+            f"modules named like a folder of the package: {len(like_folder)}",
+            *(f"  {p}" for p in like_folder)]
+
+
+def size_report(mods: dict[str, ast.Module], texts: dict[str, int]) -> list[str]:
+    big_modules = sorted(((n, p) for p, n in texts.items() if n > 400), reverse=True)
+    big_classes = sorted(((c.end_lineno - c.lineno + 1, f"{p}:{c.name}") for p, tree in mods.items()
+                          for c in classes(tree) if c.end_lineno - c.lineno + 1 > 250), reverse=True)
+    return [f"modules over 400 lines: {len(big_modules)}", *(f"  {n:4d}  {p}" for n, p in big_modules),
+            f"classes over 250 lines: {len(big_classes)}", *(f"  {n:4d}  {p}" for n, p in big_classes)]
+
+
 def main() -> None:
     parser = harness.options(__doc__, RESULT)  # --tiny changes nothing: reading the source is quick at any size
     parser.add_argument("package", nargs="?", default=str(harness.ROOT / "sn_trainer"))
@@ -203,6 +269,11 @@ def main() -> None:
     for lines, where in longest[:10]:
         print(f"  {lines:4d}  {where}")
     for line in settings_report(mods):
+        print(line)
+    for line in face_report(mods) + namesake_report(mods):
+        print(line)
+    texts = {str(p.relative_to(package.parent)): len(p.read_text().splitlines()) for p in package.rglob("*.py")}
+    for line in size_report(mods, texts):
         print(line)
     print("files an extension touches:")
     for line in extension_report(mods):
