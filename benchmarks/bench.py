@@ -41,13 +41,13 @@ from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
-from sn_trainer.engine.node.runtime import (Runtime, available_allocators, available_openmps, default_runtime,
-                                       forget_openmp_registrations)
-from sn_trainer.engine.node.topology import plan_pinning, read_topology
+from sn_trainer.node.runtime import (Runtime, available_allocators, available_openmps, default_runtime,
+                                     forget_openmp_registrations)
+from sn_trainer.node.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
-from sn_trainer.engine.node.machine import bf16_supported
+from sn_trainer.node.cpu import bf16_supported
 from sn_trainer.engine.memory.peak import pss_bytes
 
 import harness

@@ -20,7 +20,7 @@ import tempfile
 
 from bench import Case, Timing, ddp_worker, make_data, make_model, sgd, spawn
 from sn_trainer import Trainer
-from sn_trainer.engine.node.topology import plan_pinning, read_topology
+from sn_trainer.node.topology import plan_pinning, read_topology
 from sn_trainer.models.gpt import language_model_step
 
 import harness

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from sn_trainer import Trainer
-from sn_trainer.cli.config import DatasetConfig
-from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.cli.run_config import DatasetConfig
+from sn_trainer.cli.named_datasets import load_datasets
 from sn_trainer.engine.processes.stages import STEP_STAGES
 from sn_trainer.models import build_model
 

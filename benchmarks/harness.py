@@ -39,7 +39,7 @@ def out_of(args: argparse.Namespace, result: str) -> Path:
 def machine_folder() -> str:
     """results/'s folder for this machine: the CPU, its widest vector instructions and its physical cores
     (e.g. amd-epyc-avx2-2c), since hosts of one CPU name compute at other speeds with other kernels."""
-    from sn_trainer.engine.node.machine import describe_machine, machine_slug
+    from sn_trainer.node.cpu import describe_machine, machine_slug
 
     machine = describe_machine()
     isa = "avx512" if "avx512f" in machine["isa"] else "avx2" if "avx2" in machine["isa"] else ""
@@ -49,7 +49,7 @@ def machine_folder() -> str:
 
 def describe() -> dict:
     """The machine, as every results file records it (no host name, no user, no paths)."""
-    from sn_trainer.engine.node.machine import describe_machine
+    from sn_trainer.node.cpu import describe_machine
 
     return describe_machine()
 

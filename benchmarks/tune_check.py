@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from sn_trainer import Trainer, tuner
-from sn_trainer.engine.node.runtime import available_allocators, available_openmps
-from sn_trainer.engine.node.topology import read_topology
+from sn_trainer.node.runtime import available_allocators, available_openmps
+from sn_trainer.node.topology import read_topology
 from sn_trainer.models import build_model
 
 import harness

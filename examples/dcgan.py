@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from sn_trainer import Phase, Trainer
-from sn_trainer.cli.config import DatasetConfig
-from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.cli.run_config import DatasetConfig
+from sn_trainer.cli.named_datasets import load_datasets
 
 LATENT = 32
 

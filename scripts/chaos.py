@@ -347,7 +347,7 @@ def main() -> None:
         from sn_trainer.engine.processes.forkserver import leave
 
         leave(job(args.job, args.trigger))
-    from sn_trainer.engine.node.machine import describe_machine
+    from sn_trainer.node.cpu import describe_machine
     from sn_trainer.report.results import write_result
 
     kinds = args.kinds.split(",")

@@ -14,8 +14,8 @@ __all__ = ["BestCheckpoint", "Callback", "CheckpointConfig", "CheckpointError", 
 __version__ = "0.3.0"
 
 _LAZY = {"Trainer": ".trainer", "FitResult": ".fit.result", "TrainerConfig": ".config", "CheckpointConfig": ".config",
-         "Cluster": ".engine.node.cluster", "Callback": ".callbacks", "EarlyStopping": ".callbacks",
-         "BestCheckpoint": ".callbacks", "Phase": ".phase", "gather": ".engine.step.gather",
+         "Cluster": ".node.cluster", "Callback": ".callbacks", "EarlyStopping": ".callbacks",
+         "BestCheckpoint": ".callbacks", "Phase": ".phase", "gather": ".recipe.gather",
          "diagnose": ".doctor", "VerifyReport": ".fit.proof"}
 
 
@@ -35,8 +35,8 @@ def warm_up(allocator: str | None = None, openmp: str | None = None) -> None:
     script does. A Trainer starts it otherwise, when it is made. Its workers run with
     ``allocator`` and ``openmp`` (default: the settings' defaults; a Trainer that asks for others
     spawns its workers cold)."""
-    from .engine.node.runtime import Runtime, default_runtime
-    from .engine.processes import forkserver
+    from .node.runtime import Runtime, default_runtime
+    from .engine import forkserver
 
     default = default_runtime()
     forkserver.start(Runtime(allocator or default.allocator, openmp or default.openmp))

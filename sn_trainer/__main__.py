@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .cli.config import RunConfig, help_text
-from .engine.processes import forkserver
+from .cli.run_config import RunConfig, help_text
+from .engine import forkserver
 from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed
 
 
@@ -74,7 +74,7 @@ def _refused_key(args: list[str]) -> Exception | None:
         return None  # a config of the user's own may have groups of its own
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from .cli.config import option_rows, unknown_setting
+    from .cli.run_config import option_rows, unknown_setting
 
     known = {row[0] for row in option_rows()} | set(_groups())
     parser = OverridesParser.create()
@@ -96,7 +96,7 @@ def _not_in_option(overrides: list) -> Exception | None:
     """The error for the first key of a group (``dataset.data_seed``) that the option the group
     gets (``dataset=fashion_mnist``, the default, or an experiment's) does not list, in any job of
     a sweep. Each option's YAML lists every key that option reads: what it omits does nothing."""
-    from .cli.config import not_in_option
+    from .cli.run_config import not_in_option
 
     conf = Path(__file__).with_name("conf")
     options = {group: {path.stem: _names(path) for path in sorted((conf / group).glob("*.yaml"))}

@@ -22,11 +22,10 @@ from torch.utils.data import Dataset
 from . import tuner
 from .callbacks import Callback, Callbacks, History, NotebookBar, OnLog, in_notebook
 from .config import TrainerConfig, setting_rows, settings_text
-from .engine.node.cluster import Cluster
-from .engine.node.runtime import Runtime, available_allocators, available_openmps
-from .engine.node.topology import read_topology
-from .engine.processes.launch import starts_warm, warm_up
-from .engine.processes.signals import StopFlags
+from .node.cluster import Cluster
+from .node.runtime import Runtime, available_allocators, available_openmps
+from .node.topology import read_topology
+from .engine import StopFlags, starts_warm, warm_up
 from .errors import ConfigError
 from .fit import decide, lightning, proof
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps

@@ -184,7 +184,7 @@ def in_a_worker() -> bool:
     """Whether the calling code runs inside a worker's training step or evaluation (not the
     rehearsal before the run, which may run in the test's own process, calling the model as often
     as it needs, nor the verification's copy of the step): the faults below count only these calls."""
-    from sn_trainer.engine.step import position
+    from sn_trainer.recipe import position
 
     where = position._current.get()
     return where is not None and not where.checking

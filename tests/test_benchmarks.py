@@ -102,7 +102,7 @@ def test_the_best_launch_table_picks_each_variants_fastest_launch():
 
 @pytest.mark.unit
 def test_runtime_launches_are_named_alike_for_every_variant():
-    from sn_trainer.engine.node.runtime import Runtime
+    from sn_trainer.node.runtime import Runtime
 
     assert bench.runtime_of("sn") == bench.runtime_of("ideal") == Runtime("system", "gnu")
     assert bench.runtime_of("ideal_tcmalloc") == Runtime("tcmalloc", "gnu")

@@ -326,7 +326,7 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker was launched")
 
-    monkeypatch.setattr(session, "launch", refuse)
+    monkeypatch.setattr(session, "run_workers", refuse)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -334,7 +334,7 @@ def test_a_sparse_gradient_is_refused_in_one_line_naming_the_module(workers, no_
     from sn_trainer.fit import resolve
 
     # Refused from the model alone: not even the rehearsal (which runs the model) is reached.
-    monkeypatch.setattr(resolve, "launch", lambda *a, **k: pytest.fail("the rehearsal was launched"))
+    monkeypatch.setattr(resolve, "run_workers", lambda *a, **k: pytest.fail("the rehearsal was launched"))
     monkeypatch.setattr(resolve.preflight, "rehearse", lambda *a, **k: pytest.fail("the rehearsal ran"))
     with pytest.raises(ConfigError) as raised:
         Trainer(workers=workers, batch_size=8, max_steps=2).fit(

@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import EXACT, SmallConvNet, cross_entropy, plain_fit, tiny_dataset
 from sn_trainer import Trainer, tuner
-from sn_trainer.engine.node.runtime import Runtime
+from sn_trainer.node.runtime import Runtime
 from sn_trainer.fit import decide
 
 pytestmark = pytest.mark.timeout(300)

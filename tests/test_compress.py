@@ -16,7 +16,7 @@ from helpers import processes_with_marker, tiny_dataset
 from test_multinode import free_port, tx_bytes, veth_pair  # noqa: F401 - veth_pair is a fixture used here
 from sn_trainer import Trainer, TrainerConfig
 from sn_trainer.engine.collectives.compression import PowerSGD, describe, shard_compression
-from sn_trainer.engine.memory.layout import FlatLayout
+from sn_trainer.recipe.flat_layout import FlatLayout
 from sn_trainer.errors import ConfigError
 from sn_trainer.fit.resolve import _say_compression
 

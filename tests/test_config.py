@@ -1,9 +1,9 @@
 """Every config error names the setting and says what would be right."""
 import pytest
 
-from sn_trainer.cli.config import ConfigError, RunConfig
-from sn_trainer.cli.optim import LRSchedule, build_optimizer, effective_lr
-from sn_trainer.cli.config import OptimConfig
+from sn_trainer.cli.run_config import ConfigError, RunConfig
+from sn_trainer.cli.named_optim import LRSchedule, build_optimizer, effective_lr
+from sn_trainer.cli.run_config import OptimConfig
 
 pytestmark = pytest.mark.unit  # the unit tier: starts no process
 
@@ -54,7 +54,7 @@ def test_config_errors(raw, message):
 def test_the_old_name_of_data_seed_is_refused_with_the_new_one():
     """dataset.seed was data_seed's name: passed to the dataset's config, it is one ConfigError naming
     data_seed, not a TypeError and not ignored; the run's own seed keeps its name."""
-    from sn_trainer.cli.config import DatasetConfig
+    from sn_trainer.cli.run_config import DatasetConfig
 
     for old in (0, 3):
         with pytest.raises(ConfigError, match="^dataset.seed is now called dataset.data_seed "):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from sn_trainer.cli.config import DatasetConfig
+from sn_trainer.cli.run_config import DatasetConfig
 from sn_trainer.errors import ConfigError, DataError
-from sn_trainer.cli import datasets
-from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.cli import named_datasets as datasets
+from sn_trainer.cli.named_datasets import load_datasets
 from sn_trainer.data.datasets import random_crop_flip, read_idx
 
 pytestmark = pytest.mark.unit  # the unit tier: starts no process

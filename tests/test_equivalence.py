@@ -102,7 +102,7 @@ def test_float32_stays_within_float32s_own_rounding(workers, optimizer):
 
 
 def test_bf16_trains_close_to_fp32():
-    from sn_trainer.engine.node.machine import bf16_supported
+    from sn_trainer.node.cpu import bf16_supported
 
     model, reference, result = fit_both(2, 12, OPTIMIZERS["sgd"], precision="bf16", channels_last=True,
                                         dtype=torch.float32)

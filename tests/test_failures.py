@@ -44,11 +44,11 @@ def test_a_sigkilled_worker_stops_fit_naming_the_signal(tmp_path, no_leaks):
 @pytest.mark.timeout(60)
 def test_a_worker_stopped_halfway_through_a_message_is_still_watched(no_leaks):
     from helpers import stops_halfway_through_a_message
-    from sn_trainer.engine.processes.launch import Heartbeats, Watchdog, launch
+    from sn_trainer.engine import Heartbeats, Watchdog, run_workers
 
     started = time.monotonic()
     with pytest.raises(WorkerFailed, match="worker 0 failed: made no progress for"):
-        launch(stops_halfway_through_a_message, [None], watchdog=Watchdog(Heartbeats.allocate(1), 2.0), tick_s=0.2)
+        run_workers(stops_halfway_through_a_message, [None], watchdog=Watchdog(Heartbeats.allocate(1), 2.0), tick_s=0.2)
     assert time.monotonic() - started < 20
 
 

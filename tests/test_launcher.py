@@ -21,11 +21,11 @@ from helpers import openmp_registrations
 from test_topology import make_sys
 
 import sn_trainer
-from sn_trainer.engine.node.runtime import Runtime
-from sn_trainer.engine.node.topology import read_topology
+from sn_trainer.node.runtime import Runtime
+from sn_trainer.node.topology import read_topology
 from sn_trainer.errors import ConfigError
 from sn_trainer.launch.cpu_backend import on_sn
-from sn_trainer.launch.plan import resolve
+from sn_trainer.launch.ranks import resolve
 
 TREE = str(Path(sn_trainer.__file__).parent.parent)
 LAUNCH_TIMEOUT = 180  # seconds; a launch here takes a few, far more on a loaded machine

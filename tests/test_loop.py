@@ -609,7 +609,7 @@ def test_the_parameters_a_backward_reached_are_read_from_their_gradients_without
     """Each parameter's ``.grad`` is its place in the flat gradient buffer, with a version counter
     of its own: the counters say which parameters a step's backward passes reached (several
     micro-batches, a branch taken in one of them), and no hook is left on the parameters."""
-    from sn_trainer.engine.memory.layout import FlatLayout
+    from sn_trainer.recipe.flat_layout import FlatLayout
     from sn_trainer.engine.step.board import Reached
 
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from helpers import (SwitchLayer, assert_exact, cross_entropy, plain_fit as plain_loop, plain_indices, switch_step,
                      worker_slices)
 from sn_trainer import ConfigError, Trainer
-from sn_trainer.engine.step.objective import Objective
+from sn_trainer.recipe.objective import Objective
 from sn_trainer.fit import loss_probe
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,7 +13,7 @@ import torch
 from helpers import SmallConvNet, processes_with_marker, tiny_dataset
 from multinode_job import SGD
 from sn_trainer import Cluster, Trainer
-from sn_trainer.engine.node.cluster import ClusterError
+from sn_trainer.node.cluster import ClusterError
 
 pytestmark = pytest.mark.timeout(300)
 JOB = Path(__file__).with_name("multinode_job.py")

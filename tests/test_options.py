@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sn_trainer
-from sn_trainer.cli.config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
+from sn_trainer.cli.run_config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
 from sn_trainer.config import settings_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_every_group_option_sets_known_keys_only():
 def test_the_settings_reference_holds_the_generated_tables():
     page = (ROOT / "docs" / "reference" / "settings.md").read_text()
     assert options_markdown() in page, "docs/reference/settings.md's command-line table is stale: paste the output " \
-        "of python -c 'from sn_trainer.cli.config import options_markdown; print(options_markdown())'"
+        "of python -c 'from sn_trainer.cli.run_config import options_markdown; print(options_markdown())'"
     assert settings_markdown() in page, "docs/reference/settings.md's Trainer table is stale: paste the output " \
         "of python -c 'from sn_trainer.config import settings_markdown; print(settings_markdown())'"
 

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from helpers import EXACT, SmallConvNet, plain_loader, tiny_dataset
 from sn_trainer import Trainer
-from sn_trainer.cli.config import DatasetConfig
-from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.cli.run_config import DatasetConfig
+from sn_trainer.cli.named_datasets import load_datasets
 from sn_trainer.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from sn_trainer.engine.collectives.comm import GlooReducer, ReducerSetup
-from sn_trainer.engine.memory.layout import FlatLayout
+from sn_trainer.recipe.flat_layout import FlatLayout
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]  # the unit tier: starts no process
 

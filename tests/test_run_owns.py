@@ -408,7 +408,7 @@ def test_a_checkpoint_keeps_the_callbacks_as_they_were_at_its_step_whichever_par
     from sn_trainer.checkpoint import files
     from sn_trainer.checkpoint.writer import CheckpointWriter
     from sn_trainer.engine.events import CheckpointPart
-    from sn_trainer.engine.processes.launch import pack
+    from sn_trainer.engine.processes.pickling import pack
 
     class Evaluations(Callback):
         def __init__(self):

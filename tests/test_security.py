@@ -14,8 +14,8 @@ from torch import nn
 from helpers import SmallConvNet, in_a_worker, tiny_dataset
 from sn_trainer import CheckpointError, DataError, Trainer
 from sn_trainer import checkpoint
-from sn_trainer.cli.config import DatasetConfig
-from sn_trainer.cli.datasets import load_datasets
+from sn_trainer.cli.run_config import DatasetConfig
+from sn_trainer.cli.named_datasets import load_datasets
 
 pytestmark = pytest.mark.timeout(240)
 

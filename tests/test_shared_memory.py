@@ -8,10 +8,10 @@ import torch
 from helpers import SmallConvNet, probe_replica, tiny_dataset
 from sn_trainer import Trainer
 from sn_trainer.data.source import IndexSource
-from sn_trainer.engine.memory.layout import FlatLayout
+from sn_trainer.recipe.flat_layout import FlatLayout
 from sn_trainer.engine.memory.shared import SharedParams, resident_pages_by_node
 from sn_trainer.engine.plan import Plan
-from sn_trainer.engine.step.objective import Objective
+from sn_trainer.recipe.objective import Objective
 from sn_trainer.engine.step.phases import PhaseSpec
 from sn_trainer.fit.preflight import Findings
 from sn_trainer.fit.resolve import Run
@@ -90,7 +90,7 @@ def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_b
 
 def _reducer(shared, rank: int, numel: int):
     from sn_trainer.engine.collectives.comm import ReducerSetup, ShmReducer
-    from sn_trainer.engine.memory.layout import Shard
+    from sn_trainer.recipe.flat_layout import Shard
 
     half = numel // 2
     return ShmReducer(ReducerSetup(rank=rank, world_size=2, shard=Shard(rank * half, (rank + 1) * half, half),

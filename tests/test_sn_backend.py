@@ -330,10 +330,10 @@ def test_the_c_core_through_ctypes_as_where_no_python_headers_are_found(monkeypa
     """One rank, in this process: each collective through the ctypes surface (a machine without Python's
     headers builds the library without its CPython module) gives what the module gives."""
     from sn_trainer.shm import native
-    from sn_trainer.shm.collectives import Collectives
+    from sn_trainer.shm.chunked import Collectives
     from sn_trainer.shm.group import Group
     from sn_trainer.shm.layout import Layout
-    from sn_trainer.shm.memory import Segment
+    from sn_trainer.shm.segment import Segment
 
     monkeypatch.setenv("SN_TRAINER_NATIVE", "1")  # this test is the C core's, in the portable-kernels pass too
     monkeypatch.setitem(native._loaded, "lib", native._functions(native.build(), as_module=False))

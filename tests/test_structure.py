@@ -1,4 +1,5 @@
-"""The house's arrows point one way, its folders stay small enough to enter, and every setting is
+"""The house's arrows point one way, its folders stay small enough to enter, the engine is entered
+through its face, no two modules share a name, none is too long to read, and every setting is
 declared once.
 
 Layers, lowest first; a module imports its own layer and lower ones only, and no import chain
@@ -22,6 +23,8 @@ PACKAGE = Path(sn_trainer.__file__).parent
 LAYERS = {
     "errors": 0, "config": 0,  # the vocabulary: what can go wrong, and every setting
     "data": 1, "models": 1, "optim": 1, "phase": 1,  # the parts a run is made of
+    "node": 1,  # what this node is: CPU, cores, runtimes, its place among nodes (facts the whole house reads)
+    "recipe": 1,  # what one step computes: the objective, gathering, the flat layout (the launcher's and the workers')
     "shm": 1,  # the shared-memory core: segment, barrier, liveness, collectives (for engine/ and distributed/)
     "engine": 2,  # the workers: reads a resolved plan, owns no file format and no reporting
     "distributed": 3,  # the "sn" torch.distributed backend, for code that already runs DDP
@@ -36,18 +39,22 @@ LAYERS = {
 }
 
 # The engine's rooms, lowest first: a module of the engine imports its own room and lower ones only,
-# so no import runs in a circle between rooms. Its interface is three modules at its top (plan,
-# worker, events); the rest lives in sub-packages.
+# so no import runs in a circle between rooms. Its face is three modules at its top (plan, worker,
+# events) and the names its package offers (sn_trainer/engine/__init__.py's FACE); the rest lives
+# in sub-packages no module outside the engine imports.
 ENGINE_ROOMS = {
     "events": 0,  # what workers tell the launcher: typed events, plain data
-    "node": 1,  # what this node is: CPU, cores, runtimes, its place among nodes
-    "plan": 2,  # the resolved plan the workers read
-    "memory": 3,  # the flat layout, shared parameters, optimizer state by shard, peak memory
-    "collectives": 4,  # reducers, compression, tensors and metric states exchanged through sums
-    "processes": 5,  # the fork server, launch and teardown, signals, stages
-    "step": 6,  # one step and evaluation in a worker: replica, objective, phases, gather, ...
-    "worker": 7,  # one worker process's life
+    "plan": 1,  # the resolved plan the workers read
+    "memory": 2,  # shared parameters, optimizer state by shard, peak memory
+    "collectives": 3,  # reducers, compression between nodes
+    "processes": 4,  # the fork server, spawning, supervision and teardown, pickling, signals, stages
+    "step": 5,  # one step and evaluation in a worker: replica, phases, batch norm, board, verification
+    "worker": 6,  # one worker process's life
 }
+ENGINE_FACE_MODULES = {"plan", "worker", "events"}
+
+# A module a reader takes in at one sitting, a class one can hold in mind (CONTRIBUTING.md, "The house").
+MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250
 
 # A folder is a room a reader can enter (CONTRIBUTING.md, "The house"): past a dozen modules, its parts
 # deserve sub-packages of their own.
@@ -193,7 +200,7 @@ def test_no_import_runs_in_a_circle():
 
 @pytest.mark.parametrize("where, forbidden", [
     ("report", ("sn_trainer.trainer", "sn_trainer.fit", "sn_trainer.tuner", "sn_trainer.cli")),  # predict_table
-    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (engine/node/machine.py)
+    ("tuner", ("sn_trainer.report",)),  # the hardware probes are the engine's (node/cpu.py)
     ("data", ("sn_trainer.cli",)),  # the command line's dataset catalogue is the command line's
 ])
 def test_the_three_imports_that_ran_back_up_stay_gone(where, forbidden):
@@ -278,12 +285,12 @@ def test_an_engine_import_up_a_room_is_found(tmp_path):
     """The room check is not vacuous: the memory room reaching up into the step is reported."""
     package = tmp_path / "sn_trainer"
     for path, text in {"__init__.py": "", "engine/__init__.py": "", "engine/memory/__init__.py": "",
-                       "engine/memory/layout.py": "def f():\n    from ..step.replica import Replica\n",
-                       "engine/step/__init__.py": "", "engine/step/replica.py": "from ..memory import layout\n",
+                       "engine/memory/shared.py": "def f():\n    from ..step.replica import Replica\n",
+                       "engine/step/__init__.py": "", "engine/step/replica.py": "from ..memory import shared\n",
                        "engine/plan.py": "from .step import replica\n"}.items():
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text(text)
-    assert engine_imports_back_up(package) == ["sn_trainer.engine.memory.layout imports sn_trainer.engine.step.replica",
+    assert engine_imports_back_up(package) == ["sn_trainer.engine.memory.shared imports sn_trainer.engine.step.replica",
                                                "sn_trainer.engine.plan imports sn_trainer.engine.step.replica"]
 
 
@@ -301,6 +308,139 @@ def test_the_old_flat_engine_fails_the_room_checks(tmp_path):
     assert crowded_folders(package) == ["sn_trainer/engine holds 31 modules"]
     assert engine_modules_without_a_room(package) == sorted(
         f"sn_trainer.engine.{m}" for m in old if m not in ENGINE_ROOMS)
+
+
+# --- the engine's face ----------------------------------------------------------------------------
+
+def engine_face(package: Path = PACKAGE) -> set[str]:
+    """The names the engine's package offers: the keys of FACE in its __init__.py, read from the source."""
+    for node in ast.walk(ast.parse((package / "engine" / "__init__.py").read_text())):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "FACE" in ast.unparse(node).split("=")[0]:
+            return {key.value for key in node.value.keys}
+    return set()
+
+
+def behind_the_engine_face(package: Path = PACKAGE) -> list[str]:
+    """Every import, from outside the engine, of a module inside one of its rooms, or of a name its
+    face does not offer (lazy imports inside functions included)."""
+    face, offenders = engine_face(package), []
+    for path in sorted(package.rglob("*.py")):
+        name = module_name(path, package)
+        if name.startswith("sn_trainer.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = from_module(node, package_of(path, package))
+                taken = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                base, taken = None, [alias.name for alias in node.names]
+            else:
+                continue
+            targets = [base] if base is not None else taken
+            for target in targets:
+                parts = target.split(".")
+                if parts[:2] != ["sn_trainer", "engine"]:
+                    continue
+                if len(parts) > 2 and parts[2] not in ENGINE_FACE_MODULES:
+                    offenders.append(f"{name} imports {target}")
+                elif len(parts) == 2 and base is not None:
+                    offenders += [f"{name} takes {t} from the engine, which its face does not offer"
+                                  for t in taken if t not in face and t not in ENGINE_FACE_MODULES]
+    return offenders
+
+
+@pytest.mark.unit
+def test_the_engine_is_entered_only_through_its_face():
+    assert behind_the_engine_face() == []
+
+
+def test_every_name_of_the_engine_face_is_there():
+    """Each name FACE offers loads from the module it names (a name moved in a room and not in FACE fails).
+    Not a unit test: loading the reducers may build the shared-memory collectives' C core."""
+    import sn_trainer.engine as engine
+
+    assert engine_face() == set(engine.FACE) and engine_face()
+    missing = []
+    for name in engine.FACE:
+        try:
+            getattr(engine, name)
+        except (AttributeError, ImportError) as exc:
+            missing.append(f"{name}: {exc}")
+    assert missing == []
+
+
+@pytest.mark.unit
+def test_an_import_behind_the_engine_face_is_found(tmp_path):
+    """The face check is not vacuous: a room's module, and a name the face does not offer, are reported;
+    the top modules and the names FACE offers are not."""
+    package = tmp_path / "sn_trainer"
+    for path, text in {"__init__.py": "", "engine/__init__.py": 'FACE = {"run_workers": "processes.supervise:run_workers"}\n',
+                       "fit/__init__.py": "",
+                       "fit/session.py": "from ..engine.plan import Plan\nfrom ..engine import run_workers, Replica\n"
+                                         "def f():\n    from ..engine.step.replica import Replica\n",
+                       "trainer.py": "import sn_trainer.engine.processes.forkserver\nfrom .engine import events\n"}.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    assert behind_the_engine_face(package) == [
+        "sn_trainer.fit.session takes Replica from the engine, which its face does not offer",
+        "sn_trainer.fit.session imports sn_trainer.engine.step.replica",
+        "sn_trainer.trainer imports sn_trainer.engine.processes.forkserver"]
+
+
+# --- names that explain themselves, and modules short enough to read ----------------------------
+
+def namesakes(package: Path = PACKAGE) -> list[str]:
+    """File names two modules share, and modules named like one of the package's folders (``__init__``
+    and ``__main__`` aside)."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(path.relative_to(package.parent).as_posix())
+    folders = {init.parent.name for init in package.rglob("__init__.py")}
+    found = [f"{name} is {' and '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
+    found += [f"{path} is named like the folder {name[:-3]}/" for name, paths in by_name.items()
+              for path in paths if name[:-3] in folders]
+    return found
+
+
+def too_long(package: Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        text, where = path.read_text(), path.relative_to(package.parent).as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{where}: {lines} lines")
+        found += [f"{where}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
+                  for node in ast.walk(ast.parse(text))
+                  if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    return found
+
+
+@pytest.mark.unit
+def test_no_two_modules_share_a_name_and_none_is_named_like_a_folder():
+    assert namesakes() == []
+
+
+@pytest.mark.unit
+def test_no_module_over_400_lines_and_no_class_over_250():
+    assert too_long() == []
+
+
+@pytest.mark.unit
+def test_namesakes_and_long_modules_are_found(tmp_path):
+    """The two checks above are not vacuous: the namesakes of the house as it was, and a module and a
+    class past their limits, are reported."""
+    package = tmp_path / "sn_trainer"
+    long_class = "class Replica:\n" + "    x = 1\n" * MAX_CLASS_LINES
+    for path, text in {"__init__.py": "", "config.py": "", "cli/__init__.py": "", "cli/config.py": "",
+                       "launch/__init__.py": "", "engine/__init__.py": "", "engine/processes/__init__.py": "",
+                       "engine/processes/launch.py": "", "engine/step/__init__.py": "", "engine/step/replica.py": long_class,
+                       "fit/__init__.py": "", "fit/resolve.py": "\n" * (MAX_MODULE_LINES + 1)}.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    assert namesakes(package) == ["config.py is sn_trainer/cli/config.py and sn_trainer/config.py",
+                                  "sn_trainer/engine/processes/launch.py is named like the folder launch/"]
+    assert too_long(package) == [f"sn_trainer/engine/step/replica.py: class Replica, {MAX_CLASS_LINES + 1} lines",
+                                 f"sn_trainer/fit/resolve.py: {MAX_MODULE_LINES + 1} lines"]
 
 
 # --- every setting declared once -------------------------------------------------------------

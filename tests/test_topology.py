@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from sn_trainer.engine.node.topology import auto_workers, parse_cpu_list, plan_pinning, read_topology
+from sn_trainer.node.topology import auto_workers, parse_cpu_list, plan_pinning, read_topology
 
 pytestmark = pytest.mark.unit  # the unit tier: starts no process
 
@@ -132,7 +132,7 @@ def test_a_cpu_max_that_cannot_be_parsed_is_no_limit_said_in_one_warning(tmp_pat
     root = make_sys(tmp_path, sockets=1, cores_per_socket=4, smt=False)
     make_cgroup(root, tmp_path / "proc", ["garbled line", "0::/box"],
                 {"box/cpu.max": cpu_max, "box/cpuset.cpus.effective": "0-x"})
-    with caplog.at_level(logging.WARNING, logger="sn_trainer.engine.node.topology"):
+    with caplog.at_level(logging.WARNING, logger="sn_trainer.node.topology"):
         topo = read_topology(root, proc_root=tmp_path / "proc")
     assert (topo.cpu_quota, topo.usable_cores, len(topo.cores)) == (None, 4, 4)
     lines = [r.getMessage() for r in caplog.records]
@@ -155,7 +155,7 @@ def test_a_cpu_max_that_cannot_be_parsed_is_no_limit_said_in_one_warning(tmp_pat
 ])
 def test_workers_and_threads_fill_the_usable_cores(workers, threads, quota, tuned, expected):
     from sn_trainer.config import TrainerConfig
-    from sn_trainer.engine.node.topology import PhysicalCore, Topology
+    from sn_trainer.node.topology import PhysicalCore, Topology
     from sn_trainer.fit.decide import workers_and_threads
 
     topology = Topology(tuple(PhysicalCore(0, core, 0, (core,)) for core in range(16)), cpu_quota=quota)

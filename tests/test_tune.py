@@ -10,7 +10,7 @@ import torch
 from helpers import SmallConvNet, tiny_dataset
 import sn_trainer
 from sn_trainer import ConfigError, Trainer, tuner as tune
-from sn_trainer.engine.node.runtime import Runtime, available_allocators, available_openmps
+from sn_trainer.node.runtime import Runtime, available_allocators, available_openmps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -157,7 +157,7 @@ def test_the_runtime_is_preloaded_in_the_workers_and_trains_the_same(tmp_path):
 
 @pytest.mark.unit
 def test_a_runtime_that_is_not_installed_is_refused_up_front(monkeypatch):
-    from sn_trainer.engine.node import runtime
+    from sn_trainer.node import runtime
 
     monkeypatch.setattr(runtime, "_intel_openmp", lambda: None)
     with pytest.raises(ConfigError, match="openmp=intel: libiomp5 is not installed; install it"):

@@ -36,7 +36,7 @@ def build(step: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any] |
           run: dict[str, Any], config: dict[str, Any] | None, schedule: dict[str, Any] | None = None,
           ema: dict[str, torch.Tensor] | None = None, aliases: dict[str, str] | None = None,
           callbacks: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The checkpoint's contents (``optimizer`` as ``engine.memory.state.gather`` gives it; ``schedule``: a
+    """The checkpoint's contents (``optimizer`` as ``engine.optimizer_state.gather`` gives it; ``schedule``: a
     metric-driven scheduler's state, which a resume cannot replay; ``ema``: the parameters'
     moving average by name; ``aliases``: the model's tied names, alias -> first name;
     ``callbacks``: the stateful callbacks' states at this step, by ``Callbacks.states``' keys)."""

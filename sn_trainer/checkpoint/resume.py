@@ -10,10 +10,9 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..config import TrainerConfig
-from ..engine.memory import state
-from ..engine.memory.layout import FlatLayout
-from ..engine.node.cluster import Cluster
-from ..engine.step.phases import PhaseSpec
+from ..engine import PhaseSpec, optimizer_state
+from ..recipe.flat_layout import FlatLayout
+from ..node.cluster import Cluster
 from ..errors import CheckpointError, ConfigError
 from . import files
 
@@ -158,7 +157,8 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
         log.warning("%s holds no moving average of the weights (ema_decay): it starts from the weights resumed", path)
     stream = (saved.get("run") or {}).get("stream")
     compress = _compression_states(saved, settings, workers, path)
-    shares = [{"compress": compress[rank] if compress else None, "phases": [{"optimizer": state.scatter(held, run.layout, rank, phase.slot_groups) if held else {},
+    shares = [{"compress": compress[rank] if compress else None,
+               "phases": [{"optimizer": optimizer_state.scatter(held, run.layout, rank, phase.slot_groups) if held else {},
                            "schedule": schedule}
                           for phase, held, schedule in zip(run.phases, optimizers, schedules)],
                "rng": saved["rng"][rank] if same_streams else None, "stream": stream}

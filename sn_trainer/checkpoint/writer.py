@@ -8,10 +8,8 @@ from typing import Any
 
 from ..callbacks import Callback, Callbacks
 from ..engine.events import CheckpointPart
-from ..engine.memory import state
-from ..engine.memory.layout import FlatLayout
-from ..engine.processes.launch import unpack
-from ..engine.step.phases import PhaseSpec
+from ..engine import PhaseSpec, optimizer_state, unpack
+from ..recipe.flat_layout import FlatLayout
 from ..errors import TrainingDiverged
 from . import files
 
@@ -70,7 +68,7 @@ class CheckpointWriter(Callback):
         optimizers, schedules = [], []
         for index, phase in enumerate(self.phases):
             held = [p["phases"][index]["optimizer"] for p in ordered]
-            optimizers.append(state.gather(held, self.layout, phase.slot_groups)
+            optimizers.append(optimizer_state.gather(held, self.layout, phase.slot_groups)
                               if any(h is not None for h in held) else None)
             # A plateau scheduler's state: the same in every worker that holds one of this phase's pieces.
             schedules.append(next((p["phases"][index]["schedule"] for p in ordered

@@ -13,17 +13,17 @@ from typing import Any
 import psutil
 import torch
 
-from ..engine.node.cluster import Cluster
-from ..engine.node.machine import describe_machine
-from ..engine.node.topology import oversubscription
+from ..node.cluster import Cluster
+from ..node.cpu import describe_machine
+from ..node.topology import oversubscription
 from ..errors import ConfigError
 from ..report.metrics import ProgressLog
 from ..config import TrainerConfig
 from ..trainer import Trainer
-from .config import RunConfig
-from .datasets import load_datasets
-from .models import build_for, training_parts, uses_torchvision
-from .optim import LRSchedule, build_optimizer, build_scheduler, effective_lr
+from .run_config import RunConfig
+from .named_datasets import load_datasets
+from .named_models import build_for, training_parts, uses_torchvision
+from .named_optim import LRSchedule, build_optimizer, build_scheduler, effective_lr
 
 log = logging.getLogger("sn_trainer")
 

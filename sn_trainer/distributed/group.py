@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from ..errors import CollectiveFailed
-from ..shm.collectives import OPS
+from ..shm.chunked import OPS
 from ..shm.group import SHM_SAFE, Group
 from .machines import AcrossMachines, group_on_store, machines_of
 

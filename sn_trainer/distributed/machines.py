@@ -16,10 +16,10 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..shm.collectives import Collectives, reduce_problem
+from ..shm.chunked import Collectives, reduce_problem
 from ..shm.group import Group
 from ..shm.layout import Layout
-from ..shm.memory import Segment
+from ..shm.segment import Segment
 
 
 def machine_identity() -> str:

@@ -54,7 +54,7 @@ def diagnose(result, tuned=None) -> Diagnosis:
     Returns:
         The findings, the costliest first (``.top``; ``str()`` prints them).
     """
-    from ..engine.node.machine import describe_machine
+    from ..node.cpu import describe_machine
 
     summary = {**result.summary(), "machine": describe_machine()}
     facts = RunFacts(summary, cli=False, losses=[r["loss"] for r in result.history if r.get("loss") is not None])

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(diagnose_facts(facts, name).report())
         if not args.no_data and "skipped" not in facts.summary:
-            from .data import data_findings
+            from .data_speed import data_findings
 
             found = data_findings(facts)
             if any(f.visible for f in found):

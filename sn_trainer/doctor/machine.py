@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 
-from ..engine.node.topology import Topology, read_topology
+from ..node.topology import Topology, read_topology
 from .findings import Finding, not_visible
 
 SWAPPINESS = 10  # the pipeline checklist's advice: keep a training machine's pages out of swap
@@ -174,7 +174,7 @@ def cpu_sample(proc_root: Path, seconds: float) -> list[Finding]:
 
 
 def runtimes() -> Finding:
-    from ..engine.node.runtime import available_allocators, available_openmps
+    from ..node.runtime import available_allocators, available_openmps
 
     allocators, openmps = available_allocators(), available_openmps()
     evidence = f"allocators {', '.join(allocators)}; OpenMP runtimes {', '.join(openmps)}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import TrainerConfig
-from .node.runtime import Runtime
+from ..node.runtime import Runtime
 
 
 @dataclass(frozen=True)

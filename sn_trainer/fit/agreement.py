@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import __version__
 from ..checkpoint.files import CheckpointDir
-from ..engine.node.cluster import Cluster
+from ..node.cluster import Cluster
 from ..errors import ConfigError
 
 # Settings beyond the batch's that change the update every node applies: nodes that differ in them

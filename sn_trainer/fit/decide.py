@@ -12,13 +12,12 @@ from torch import nn
 
 from .. import tuner
 from ..config import TrainerConfig
-from ..engine.collectives.comm import choose_reducer
-from ..engine.node.cluster import Cluster
-from ..engine.node.machine import bf16_supported
-from ..engine.node.runtime import Runtime
-from ..engine.node.topology import OTHER_WORK_CORES, Topology, auto_threads, auto_workers, other_work, plan_pinning
+from ..engine import choose_reducer, starts_warm
+from ..node.cluster import Cluster
+from ..node.cpu import bf16_supported
+from ..node.runtime import Runtime
+from ..node.topology import OTHER_WORK_CORES, Topology, auto_threads, auto_workers, other_work, plan_pinning
 from ..engine.plan import Placement
-from ..engine.processes.launch import starts_warm
 from ..errors import ConfigError
 from ..optim import shard_kind
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..callbacks import Callback
-from ..engine.step import position
+from ..recipe import position
 from ..errors import ConfigError
 from ..phase import Phase
 from .resolve import FitInputs

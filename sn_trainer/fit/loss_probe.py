@@ -15,7 +15,7 @@ whatever the loss's form: see docs/exactness.md), from the loss and its gradient
   its logits' cross-entropy over them (where that is what its loss is), and divide by the
   global count;
 - a step function that calls ``sn_trainer.gather``: a loss over the global batch, which every
-  worker computes alike from the gathered slices (``engine.step.gather``);
+  worker computes alike from the gathered slices (``recipe.gather``);
 - anything else has no exact split: ``form`` is None, and the Trainer refuses it where it
   splits, with the advice that fits what was found: a weighed sum of per-sample parts (a mean
   over kept tokens, masks, class weights) needs ``(loss_sum, count)``; a loss in which samples
@@ -42,11 +42,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..data import random_state
-from ..engine.memory.layout import trainable_parameters
-from ..engine.step.gather import Gathering, gathering
-from ..engine.step.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS,
-                                    SHIFTED_TOKENS_FROM_LOGITS, SUM, TOKENS, TOKENS_FROM_LOGITS, Objective, Precision,
-                                    kept_labels, model_outputs, output_loss, token_cross_entropy)
+from ..recipe.flat_layout import trainable_parameters
+from ..recipe.gather import Gathering, gathering
+from ..recipe.objective import (COUNTED, GATHERED, IGNORED_LABEL, MEAN, SHIFTED, SHIFTED_TOKENS,
+                                SHIFTED_TOKENS_FROM_LOGITS, SUM, TOKENS, TOKENS_FROM_LOGITS, Objective, Precision,
+                                kept_labels, model_outputs, output_loss, token_cross_entropy)
 
 FP32 = Precision("fp32")  # the form is arithmetic: measured without autocast
 # What to do about a loss whose samples interact.

@@ -23,13 +23,12 @@ from ..config import TrainerConfig
 from ..data import random_state
 from ..data.batching import COLLATE_NOTE, in_layout
 from ..data.source import Source
-from ..engine.collectives import metric_states
-from ..engine.memory.layout import trainable_parameters
-from ..engine.memory.state import group_params
-from ..engine.step.gather import Gathering, gathering
-from ..engine.step.objective import MEAN, Objective, Precision
-from ..engine.step.phases import PhaseSpec
-from ..engine.step.schedule import Schedule
+from ..recipe import metric_states
+from ..recipe.flat_layout import trainable_parameters
+from ..engine import PhaseSpec, group_params
+from ..recipe.gather import Gathering, gathering
+from ..recipe.objective import MEAN, Objective, Precision
+from ..recipe.schedule import Schedule
 from ..errors import ConfigError, InputError, UserCodeError
 from ..optim import refuse_unrunnable
 from . import loss_probe

@@ -25,11 +25,10 @@ from ..config import TrainerConfig
 from ..data import random_state
 from ..data.batching import in_layout
 from ..data.source import make_source
-from ..engine.memory.layout import trainable_parameters
-from ..engine.memory.state import group_params
-from ..engine.step.objective import TOKEN_FORMS, Objective, Precision
-from ..engine.step.schedule import Schedule
-from ..engine.step.reference import tolerances
+from ..recipe.flat_layout import trainable_parameters
+from ..engine import group_params, tolerances
+from ..recipe.objective import TOKEN_FORMS, Objective, Precision
+from ..recipe.schedule import Schedule
 from ..errors import ConfigError, NotExact
 from ..optim import resolve_groups
 

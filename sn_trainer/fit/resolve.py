@@ -23,14 +23,13 @@ from ..config import TrainerConfig
 from ..data import random_state
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, different_orders, make_source
-from ..engine.collectives import compression, metric_states
-from ..engine.memory.layout import FlatLayout, trainable_parameters
-from ..engine.node.cluster import Cluster
-from ..engine.node.runtime import Runtime
+from ..engine import PhaseSpec, WorkerPickler, compression, run_workers
+from ..recipe import metric_states
+from ..recipe.flat_layout import FlatLayout, trainable_parameters
+from ..node.cluster import Cluster
+from ..node.runtime import Runtime
 from ..engine.plan import Placement, Plan
-from ..engine.processes.launch import WorkerPickler, launch
-from ..engine.step.objective import GATHERED, LIKE_DDP, MEAN, Objective
-from ..engine.step.phases import PhaseSpec
+from ..recipe.objective import GATHERED, LIKE_DDP, MEAN, Objective
 from ..errors import ConfigError, DataError, UserCodeError
 from ..optim import resolve_groups
 from ..phase import Phase
@@ -231,7 +230,7 @@ def rehearse(rehearsal: preflight.Rehearsal, settings: TrainerConfig) -> preflig
     """
     if settings.start_method != "forkserver":
         return preflight.rehearse(rehearsal)
-    (outcome,) = launch(preflight.rehearse_in_worker, [rehearsal], start_method=settings.start_method,
+    (outcome,) = run_workers(preflight.rehearse_in_worker, [rehearsal], start_method=settings.start_method,
                         runtime=Runtime(settings.allocator, settings.openmp))
     if "error" in outcome:
         raise UserCodeError(outcome["error"])

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainerConfig
-from ..engine.collectives.comm import REDUCERS
+from ..engine import REDUCERS, STEP_STAGES, StopFlags
 from ..engine.events import WorkerResult
-from ..engine.memory.layout import tied_aliases
-from ..engine.processes.signals import StopFlags
-from ..engine.processes.stages import STEP_STAGES
+from ..recipe.flat_layout import tied_aliases
 from ..errors import TrainingDiverged, TrainingInterrupted
 from .membership import as_records
 from .session import Outcome

@@ -19,18 +19,12 @@ import torch
 from ..callbacks import Callback, Callbacks
 from ..checkpoint.resume import Resumed, resume
 from ..checkpoint.writer import CheckpointWriter
-from ..engine.collectives.comm import REDUCERS, auto_candidates
+from ..engine import (REDUCERS, Board, Heartbeats, Launch, PeakMemory, SharedParams, StopFlags, Watchdog, WorkerSpec,
+                      auto_candidates, buffer_count, graceful_stop, max_channels, run_workers)
 from ..engine.events import WorkerResult
-from ..engine.memory.peak import PeakMemory
-from ..engine.memory.shared import SharedParams, buffer_count
-from ..engine.node.cluster import Cluster
+from ..node.cluster import Cluster
 from ..engine.plan import Plan
-from ..engine.processes.launch import Heartbeats, Watchdog, launch
-from ..engine.processes.signals import StopFlags, graceful_stop
-from ..engine.step.batchnorm import max_channels
-from ..engine.step.board import Board
-from ..engine.step.objective import GATHERED
-from ..engine.step.replica import Launch, WorkerSpec
+from ..recipe.objective import GATHERED
 from ..engine.worker import run_worker
 from ..errors import TrainingInterrupted, WorkerFailed
 from . import membership
@@ -186,7 +180,7 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
         specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
                             share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
         peak = PeakMemory()
-        results = launch(target, specs, on_message=deliver, stop=stop, where=f"node {cluster.node_rank} " if cluster
+        results = run_workers(target, specs, on_message=deliver, stop=stop, where=f"node {cluster.node_rank} " if cluster
                          else "", watchdog=Watchdog(heartbeats, plan.settings.worker_timeout, on_tick=peak),
                          start_method=plan.settings.start_method, runtime=plan.runtime)
         ema = shared.ema_state_dict(run.model, run.layout) if shared.ema is not None else None

@@ -12,11 +12,11 @@ from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 from ..config import ALLOCATORS, OPENMPS
-from ..engine.node.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
-from ..engine.node.topology import read_topology
+from ..node.runtime import Runtime, default_runtime, forget_ended_openmp_registrations, openmp_registrations
+from ..node.topology import read_topology
 from ..errors import ConfigError
 from . import child, cpu_backend
-from .plan import LaunchPlan, resolve
+from .ranks import LaunchPlan, resolve
 
 
 def parser() -> ArgumentParser:

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CollectiveFailed
 from . import futex, liveness, native
 from .layout import HEADER_WORDS, LINE_BYTES, MUTEX_BYTES, REASON_BYTES, Layout, NativeGroup
-from .memory import Segment
+from .segment import Segment
 
 OK, BROKEN, GONE, TIMEOUT, MISMATCH = range(5)  # native.c's status codes
 # Spinning is the fastest wait while every rank has a core. Past this many polls the waiter yields its

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..engine.node.machine import describe_machine
+from ..node.cpu import describe_machine
 from .model import Calibration
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.node.runtime import Runtime, default_runtime
+from ..node.runtime import Runtime, default_runtime
 from . import cache
 from .model import Calibration, Machine, candidates, fit_line, predict
 

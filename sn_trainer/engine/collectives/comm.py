@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ...shm.collectives import NATIVE_FLOATS, Collectives, combine
+from ...shm.chunked import NATIVE_FLOATS, Collectives, combine
 from ...shm.group import SHM_SAFE, Group
 from ...shm.layout import PAGE, Layout
-from ...shm.memory import Segment
-from ..memory.layout import FlatLayout, Shard
+from ...shm.segment import Segment
+from ...recipe.flat_layout import FlatLayout, Shard
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress
 
-from ..memory.layout import FlatLayout
+from ...recipe.flat_layout import FlatLayout
 
 log = logging.getLogger(__name__)
 

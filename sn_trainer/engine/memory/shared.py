@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .layout import FlatLayout
+from ...recipe.flat_layout import FlatLayout
 
 
 class SharedParams:

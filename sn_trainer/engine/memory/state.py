@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .layout import FlatLayout, Piece
+from ...recipe.flat_layout import FlatLayout, Piece
 
 
 def optimizer_pieces(layout: FlatLayout, rank: int, slot_groups: Sequence[int | None]) -> list[Piece]:

@@ -1,3 +1,4 @@
 """The worker processes: started from a warm fork server (``forkserver``, ``_forkserver_preload``) or
-spawned, watched and torn down (``launch``), stopped on a signal at a step boundary (``signals``),
-and the stages a heartbeat names (``stages``)."""
+spawned (``spawn``), run to their end, watched and torn down (``supervise``), talking through
+cloudpickle and shared-memory handles (``pickling``), stopped on a signal at a step boundary
+(``signals``), and the stages a heartbeat names (``stages``)."""

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from ..node.runtime import Runtime, default_runtime, forget_openmp_registrations
+from ...node.runtime import Runtime, default_runtime, forget_openmp_registrations
 
 # What the server imports before its first fork: this process's main module (as spawn would),
 # the one that makes it ignore SIGTERM, the worker's code (and with it torch), and what torch.optim

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory.layout import FlatLayout
+from ...recipe.flat_layout import FlatLayout
 from ..memory.state import group_params, optimizer_pieces
 from ..plan import Plan
-from .objective import Objective
-from .schedule import Schedule
+from ...recipe.objective import Objective
+from ...recipe.schedule import Schedule
 
 
 @dataclass

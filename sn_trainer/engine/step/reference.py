@@ -25,11 +25,11 @@ from torch import nn
 from ...data import random_state
 from ...data.batching import map_tensors
 from ..memory import state as optimizer_state
-from ..memory.layout import FlatLayout
+from ...recipe.flat_layout import FlatLayout
 from ..plan import Plan
-from . import position
-from .gather import Gathering, gathering
-from .objective import Precision
+from ...recipe import position
+from ...recipe.gather import Gathering, gathering
+from ...recipe.objective import Precision
 from .phases import PhaseSpec, scaled_lr
 
 

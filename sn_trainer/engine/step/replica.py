@@ -20,21 +20,22 @@ from ...data.batching import in_layout
 from ...data.feed import Feed
 from ...data.source import Source, different_orders
 from ...errors import DataError
-from ..collectives import metric_states
+from ...recipe import metric_states
 from ..collectives.comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from ..collectives.compression import PowerSGD, shard_compression
-from ..memory.layout import FlatLayout, tied_aliases
+from ...recipe.flat_layout import FlatLayout, tied_aliases
 from ..memory.shared import ReplicaBuffers
-from ..node.cluster import Cluster
+from ...node.cluster import Cluster
 from ..plan import Plan
-from ..processes.launch import Heartbeats, pack
+from ..processes.pickling import pack
+from ..processes.supervise import Heartbeats
 from ..processes.signals import StopFlags
 from ..processes.stages import StageTimer
-from . import position
+from ...recipe import position
 from .batchnorm import synchronise
 from .board import Board, Reached, StepTotals, digest_terms, one_digest
-from .gather import Gathering, Refusing, StepGathering, gathering
-from .objective import GATHERED, Objective, Precision
+from ...recipe.gather import Gathering, Refusing, StepGathering, gathering
+from ...recipe.objective import GATHERED, Objective, Precision
 from .phases import PhaseSpec, WorkerPhase
 from .reference import Reference
 from .verification import Bell, Peers, Verification

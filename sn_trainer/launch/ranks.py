@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.node.runtime import Runtime
-from ..engine.node.topology import Topology, auto_threads, auto_workers, plan_pinning
+from ..node.runtime import Runtime
+from ..node.topology import Topology, auto_threads, auto_workers, plan_pinning
 from ..errors import ConfigError
 from . import child
 

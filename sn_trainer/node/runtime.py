@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import ALLOCATORS, OPENMPS, TrainerConfig
-from ...errors import ConfigError
+from ..config import ALLOCATORS, OPENMPS, TrainerConfig
+from ..errors import ConfigError
 
 # The library each memory allocator a worker may run with needs, preloaded (system: the C library's).
 _LIBRARIES = {"system": None, "jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal"}

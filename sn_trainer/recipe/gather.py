@@ -26,8 +26,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ...errors import InputError
-from ..collectives import by_sums
+from ..errors import InputError
+from . import by_sums
 from . import ambient
 
 # Every worker computes the same loss from the same gathered bits; only kernels that round

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OptimConfig
+from .run_config import OptimConfig
 
 
 @dataclass(frozen=True)

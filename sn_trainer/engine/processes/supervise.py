@@ -1,96 +1,35 @@
-"""Start worker processes, relay their messages, watch that they progress, and tear every one down
-on any failure.
-
-Workers start warm: a fork server, started once per process (``warm_up``), imports torch and
-the worker's code, then forks a fresh worker for each one a run needs. The server itself never
-runs torch (no thread exists when it forks); each worker is new, pinned and sized for its run,
-and exits with it. ``start_method="spawn"`` starts each worker from a fresh interpreter instead.
-"""
+"""Run workers to their end: start one process per payload, relay their messages, watch that they
+progress (heartbeats, the watchdog), say how each one that failed ended, and tear every one down on
+any failure."""
 from __future__ import annotations
 
-import collections
-import ctypes
-import io
 import logging
-import marshal
 import os
 import pickle
 import queue
-import resource
-import select
 import signal
 import threading
 import time
-import traceback
-import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import cloudpickle
-import psutil
 import torch
 import torch.multiprocessing as mp
 
 from ...errors import InputError, WorkerFailed
-from ..collectives import metric_states
-from ..node.runtime import Runtime, default_runtime, forget_openmp_registrations
+from ...node.runtime import Runtime, default_runtime, forget_openmp_registrations
 from . import forkserver
-from .signals import StopFlags, stop_on_signals
+from .pickling import dumps
+from .signals import StopFlags
+from .spawn import EXIT_TRAINS_AT_IMPORT, TRAINS_AT_IMPORT, allow_open_files, bootstrap, context, readable
 from .stages import STAGES, WAITING
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 # How long the launcher waits, after a worker failed because of a peer, to see that peer's own end.
 _SETTLE_S = 2.0
-
-
-
-def _code_reduce(code: types.CodeType):
-    """A code object whole, its file name and line table included: cloudpickle names every file
-    ``<dynamic-code>`` (for payloads that pickle the same wherever they were made), and a worker's
-    traceback through the user's own code would then name no file and show no line."""
-    return marshal.loads, (marshal.dumps(code),)  # the launcher and its workers run one interpreter
-
-
-class WorkerPickler(cloudpickle.Pickler):
-    """How a launch and its workers talk, both ways: cloudpickle, so that classes and functions of
-    ``__main__`` (a notebook's cells, a script read from stdin, ``python -c``), lambdas and local
-    functions travel by value, as Ray, Dask and joblib send them, and come back as the very classes
-    they left as (a result holding a script's own optimizer); with multiprocessing's reducers, so
-    that tensors in shared memory travel as handles, never as copies."""
-
-    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, ForkingPickler._extra_reducers,
-                                          cloudpickle.Pickler.dispatch_table)
-
-    def reducer_override(self, obj):
-        if metric_states.is_metric(obj):  # a torchmetrics Metric: its states each worker's own
-            return metric_states.reduce_with_private_states(obj)
-        return super().reducer_override(obj)
-
-
-def dumps(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    conn.send_bytes(dumps(obj))
-
-
-def pack(obj: Any) -> bytes:
-    """Tensors and plain data as bytes: they cross the pipe by value, holding no shared memory."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class Heartbeats:
@@ -147,13 +86,6 @@ class Heartbeats:
                        f"stage {stage}") for rank, step, stage, seconds in causes]
 
 
-# A worker's exit code when the script it imports (as spawn does) starts training at import.
-EXIT_TRAINS_AT_IMPORT = 78
-TRAINS_AT_IMPORT = ("the script starts training when it is imported: each worker imports the main module, as "
-                    "multiprocessing's spawn does, so put the script's training code under "
-                    "`if __name__ == \"__main__\":`")
-
-
 def describe_exit(exitcode: int | None) -> str:
     if exitcode == EXIT_TRAINS_AT_IMPORT:
         return TRAINS_AT_IMPORT
@@ -166,119 +98,6 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} before reporting a result"
 
 
-def starts_warm(start_method: str, runtime: Runtime) -> bool:
-    """Whether workers with ``runtime`` can come from this process's fork server."""
-    return (start_method == "forkserver" and forkserver.available()
-            and forkserver.running_runtime() in (None, runtime))
-
-
-def warm_up(start_method: str, runtime: Runtime) -> None:
-    """Start the fork server now (if it is not running), so that it imports torch while this
-    process does other work. It runs with ``runtime`` for good: the first call decides."""
-    if starts_warm(start_method, runtime):
-        if forkserver.running_runtime() is None:  # started late: sn_trainer.warm_up() would have done it early
-            log.info("starting the warm workers' server: the first fit waits while it imports torch; call "
-                     "sn_trainer.warm_up() before importing torch to overlap that with the script's own import")
-        forkserver.start(runtime)
-
-
-def _context(start_method: str, runtime: Runtime):
-    if starts_warm(start_method, runtime):
-        warm_up(start_method, runtime)
-        return mp.get_context("forkserver")
-    forkserver.stop_the_tracker_at_exit()
-    return mp.get_context("spawn")
-
-
-def _die_with_launcher(launcher_pid: int) -> None:
-    """End this worker the moment its launcher ends, however it ends: no orphans, ever.
-
-    The kernel kills it when its parent dies (PR_SET_PDEATHSIG); the parent is the fork server
-    (or, spawned, the launcher itself). A forked worker also watches the launcher directly: the
-    fork server outlives the launcher while any of its children holds its end of the server's
-    pipe, which every worker does.
-    """
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the launcher's teardown and the watch below still apply
-        pass
-    if os.getppid() != parent or not psutil.pid_exists(launcher_pid):  # gone before prctl took effect
-        os._exit(1)
-    if parent != launcher_pid:
-        threading.Thread(target=_exit_with, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
-
-
-def _allow_open_files() -> None:
-    """Raise this process's soft limit of open files to its hard one (the workers inherit it):
-    every tensor shared with the workers holds a descriptor, and a model of a thousand tensors
-    (resnet152) passes the soft limit of 1,024 many systems set."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):  # an infinite hard limit some kernels refuse as a soft one
-            pass
-
-
-def _readable(fd: int, timeout_s: float | None) -> bool:
-    """Whether ``fd`` is readable within ``timeout_s`` (None: wait as long as it takes). poll, not
-    select: a process holding a shared tensor's descriptor each has numbers past select's 1024."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
-
-
-def _exit_with(pid: int) -> None:
-    """Block until process ``pid`` ends, then end this process at once."""
-    try:
-        handle = os.pidfd_open(pid)  # readable when the process has ended (Linux 5.3+)
-        if psutil.pid_exists(pid):
-            _readable(handle, None)
-    except (AttributeError, OSError):
-        while psutil.pid_exists(pid):
-            time.sleep(0.5)
-    os._exit(1)
-
-
-def _adopt_environment(environment: dict[str, str]) -> None:
-    """Take the launcher's environment as it was at launch: a forked worker inherited its fork
-    server's, from when that started (before a script's ``os.environ[...] = ...``, or Hydra's
-    ``hydra.job.env_set``). What was preloaded into this process (``LD_PRELOAD``) stays as it is."""
-    for name in set(os.environ) - set(environment) - {"LD_PRELOAD"}:
-        del os.environ[name]
-    for name, value in environment.items():
-        if name != "LD_PRELOAD" and os.environ.get(name) != value:
-            os.environ[name] = value
-
-
-def _bootstrap(conn: Connection, launcher_pid: int) -> None:
-    _die_with_launcher(launcher_pid)
-    _allow_open_files()  # a warm worker's fork server began before the launcher raised its limit
-    try:
-        # The payload comes through the pipe, not as the process's arguments: its shared tensors are
-        # then handed over one descriptor at a time, however many a model has.
-        target, payload, stop, environment = pickle.loads(conn.recv_bytes())
-        _adopt_environment(environment)
-        if stop is not None:
-            stop_on_signals(stop)  # a signal to a worker (or its group) stops the run at a step boundary
-        result = target(payload, lambda message: _send(conn, ("message", message)))
-        _send(conn, ("done", result))
-    except BaseException as exc:  # noqa: BLE001 - anything a worker raises is reported, then it exits
-        try:
-            if isinstance(exc, InputError):  # the user's input, found unusable mid-run (a corrupt file)
-                try:
-                    _send(conn, ("refused", exc))
-                except Exception:  # noqa: BLE001 - one that cannot be pickled is reported by its traceback
-                    pass
-            _send(conn, ("error", traceback.format_exc()))
-        finally:
-            os._exit(1)
-    finally:
-        conn.close()
-
-
 class Watchdog:
     """What the launcher checks while the workers run: progress (hang) and memory."""
 
@@ -287,7 +106,7 @@ class Watchdog:
         self.heartbeats, self.timeout_s, self.on_tick = heartbeats, timeout_s, on_tick
 
 
-def launch(
+def run_workers(
     target: Callable[[Any, Callable[[Any], None]], Any],
     payloads: list[Any],
     on_message: Callable[[int, Any], None] | None = None,
@@ -314,13 +133,13 @@ def launch(
         # multiprocessing's bootstrapping error, lets the launcher say what the user has to change.
         os._exit(EXIT_TRAINS_AT_IMPORT)
     runtime = runtime or default_runtime()
-    _allow_open_files()
-    ctx = _context(start_method, runtime)
+    allow_open_files()
+    ctx = context(start_method, runtime)
     procs, conns, inbox = [], [], None
     try:
         for _ in payloads:
             mine, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_bootstrap, args=(theirs, os.getpid()), daemon=True)
+            proc = ctx.Process(target=bootstrap, args=(theirs, os.getpid()), daemon=True)
             spawned = ctx.get_start_method() == "spawn"
             with forkserver.preloading(runtime.libraries() if spawned else []), forkserver.main_as_a_file_only():
                 proc.start()
@@ -371,7 +190,7 @@ class _Inbox:
 
     def take(self) -> list[tuple[int, str, Any]]:
         """The messages read so far: (rank, kind, body)."""
-        if _readable(self.wakeup, 0):
+        if readable(self.wakeup, 0):
             os.read(self.wakeup, 1 << 16)
         taken = []
         while not self._queue.empty():

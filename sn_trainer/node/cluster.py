@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 
 # The store this process hosts for its nodes, where torchrun's agent hosts none (node 0 under

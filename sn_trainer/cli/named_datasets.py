@@ -11,7 +11,7 @@ from ..data.datasets import Splits, image_splits, read_cifar_batch, read_idx
 from ..data.folder import ImageFiles, decode, scan, statistics
 from ..data.text import TextSplits, load_text
 from ..errors import ConfigError, DataError
-from .config import DatasetConfig
+from .run_config import DatasetConfig
 
 DEBIAN_ROOTS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 TORCHVISION_DIRS = {"fashion_mnist": "FashionMNIST", "mnist": "MNIST"}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from . import by_sums
 
 # The reductions whose merge is what one process computes over all the chunks. A "cat" state is

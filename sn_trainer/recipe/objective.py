@@ -10,7 +10,7 @@ A scalar loss hides its denominator. How it splits (its ``form``) is measured be
 worker starts (``loss_probe``) and is one of: a per-sample mean, a sum over the samples, or a
 Hugging Face model's mean over kept tokens, which the model sums when it is called with
 ``num_items_in_batch=1``, or a loss over the global batch that the step computes from
-``sn_trainer.gather`` (``engine.step.gather``); anything else is refused where the split would matter.
+``sn_trainer.gather`` (``recipe.gather``); anything else is refused where the split would matter.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import ConfigError
-from ..collectives import metric_states
+from ..errors import ConfigError
+from . import metric_states
 from . import gather
 
 Batch = Any  # what the dataset yields, collated: a tensor, or a tuple, list or dict of them

@@ -9,7 +9,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..models import BUILTIN, build_model
 from ..models.gpt import GPT, decay_groups, language_model_step
-from .config import ModelConfig
+from .run_config import ModelConfig
 
 
 def build_for(cfg: ModelConfig, data) -> nn.Module:
