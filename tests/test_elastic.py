@@ -324,16 +324,16 @@ def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_chec
     """A join restarts every node without counting a restart (a new node starts at 0): the
     checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job
     but to a restart. One node alone (an elastic job shrunk to it, a one-node job restarted) too."""
-    from sn_trainer import CheckpointError, TrainerConfig
-    from sn_trainer.checkpoint import files
+    from sn_trainer import CheckpointError, TrainerConfig, checkpoint
     from sn_trainer.checkpoint.resume import locate
     from sn_trainer.config import CheckpointConfig
 
     def folder_of(job, steps):
         folder = tmp_path / str(job)
         for step in steps:
-            files.CheckpointDir(folder).save(files.build(step, {"w": torch.zeros(1)}, None, [],
-                                                         {} if job is None else {"torchrun_run_id": job}, None))
+            checkpoint.CheckpointDir(folder).save(checkpoint.build(step, {"w": torch.zeros(1)}, None, [],
+                                                                   {} if job is None else {"torchrun_run_id": job},
+                                                                   None))
         return folder
 
     def located(folder, run_id, nodes=2, node_rank=1, restart_count=0):

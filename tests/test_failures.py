@@ -165,7 +165,7 @@ def test_an_image_no_decoder_reads_met_mid_run_is_one_data_error_naming_it(tmp_p
     from PIL import Image
 
     from helpers import plain_indices
-    from sn_trainer.checkpoint.files import load
+    from sn_trainer.checkpoint.loading import load
     from sn_trainer.data.folder import ImageFiles
     from sn_trainer.errors import DataError
 

@@ -135,7 +135,7 @@ def test_without_flock_the_locks_process_decides_where_this_machine_can_tell(tmp
                                                                              someone_elses_process):
     import psutil
 
-    from sn_trainer.checkpoint.files import _identity_fields
+    from sn_trainer.checkpoint.lock import _identity_fields
 
     lock, mine = tmp_path / CheckpointDir.LOCK, _identity_fields()
     here = f"boot={mine['boot']} pidns={mine['pidns']}"
@@ -405,7 +405,7 @@ def test_a_checkpoint_keeps_the_callbacks_as_they_were_at_its_step_whichever_par
     from types import SimpleNamespace
 
     from sn_trainer.callbacks import Callbacks
-    from sn_trainer.checkpoint import files
+    from sn_trainer.checkpoint import contents
     from sn_trainer.checkpoint.writer import CheckpointWriter
     from sn_trainer.engine.events import CheckpointPart
     from sn_trainer.engine.processes.pickling import pack
@@ -421,7 +421,7 @@ def test_a_checkpoint_keeps_the_callbacks_as_they_were_at_its_step_whichever_par
     directory = SimpleNamespace(path=tmp_path, save=lambda saved: tmp_path / f"step-{saved['step']}.pt")
     writer = CheckpointWriter(directory, SimpleNamespace(world_size=2), [], {}, None, Callbacks([evaluations]))
     kept = {}  # the file's contents stand for themselves: its step and the callbacks' states
-    monkeypatch.setattr(files, "build", lambda step, *args, callbacks, **kwargs: kept.setdefault(
+    monkeypatch.setattr(contents, "build", lambda step, *args, callbacks, **kwargs: kept.setdefault(
         step, {"step": step, "model": {}, "callbacks": copy.deepcopy(callbacks)}))
     part = pack({"model": {}, "rng": None, "phases": []})  # a model without parameters, no optimizer
     evaluations.steps.append(4)

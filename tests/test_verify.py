@@ -204,7 +204,7 @@ def test_the_verification_touches_no_parameter_buffer_or_step_function_state(tmp
     """The same runs with the verification and without: the weights, the buffers (a counter, running
     statistics), a step function's own state (its call count) and every worker's random streams come
     out the same, bit for bit."""
-    from sn_trainer.checkpoint import files
+    from sn_trainer import checkpoint
 
     runs = {}
     for every in (1, 0):
@@ -216,7 +216,7 @@ def test_the_verification_touches_no_parameter_buffer_or_step_function_state(tmp
         result = first.fit(model, tiny_dataset(dtype=F64), optimizer=SGD, step_fn=step)
         second = Trainer(workers=2, batch_size=8, max_steps=4, seed=1, verify_every=every)
         labelled = second.fit(counted, tiny_dataset(dtype=F64), optimizer=SGD).plan["exactness"]
-        runs[every] = (model, counted, step.calls.sum().item(), files.load(result.last_checkpoint)["rng"],
+        runs[every] = (model, counted, step.calls.sum().item(), checkpoint.load(result.last_checkpoint)["rng"],
                        result.verified_steps, labelled)
     (model, counted, calls, rng, verified, labelled), (model0, counted0, calls0, rng0, verified0, labelled0) = \
         runs[1], runs[0]

@@ -14,7 +14,8 @@ from ..engine import PhaseSpec, optimizer_state
 from ..recipe.flat_layout import FlatLayout
 from ..node.cluster import Cluster
 from ..errors import CheckpointError, ConfigError
-from . import files
+from . import contents, loading
+from .directory import CheckpointDir
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def sample_order(settings: TrainerConfig, dataset_size: int | None) -> dict[str,
     return {**{name: getattr(settings, name) for name in SAMPLE_ORDER}, "dataset_size": dataset_size}
 
 
-def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.CheckpointDir | None, Path | None]:
+def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[CheckpointDir | None, Path | None]:
     """Where this run writes checkpoints (None: it writes none here; only the global leader
     writes), and the checkpoint it resumes from (None: it starts afresh).
 
@@ -40,11 +41,11 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
     """
     where = settings.checkpoint.dir
     leader = cluster is None or cluster.is_leader
-    directory = files.CheckpointDir(where, settings.checkpoint.keep) if where and leader else None
+    directory = CheckpointDir(where, settings.checkpoint.keep) if where and leader else None
     if directory is not None:
         directory.check_writable()
-    resume_from = files.resolve(settings.resume, where) if settings.resume else None
-    if cluster is not None and resume_from is None and where and written_by_job(files.CheckpointDir(where), cluster):
+    resume_from = loading.resolve(settings.resume, where) if settings.resume else None
+    if cluster is not None and resume_from is None and where and written_by_job(CheckpointDir(where), cluster):
         # torchrun restarted every node, after a failure or as nodes left or joined (then without
         # counting a restart, and a node that joins starts at 0), one node alone included: all go
         # on from the last checkpoint in the (shared) directory, which this torchrun job wrote.
@@ -54,7 +55,7 @@ def locate(settings: TrainerConfig, cluster: Cluster | None) -> tuple[files.Chec
     return directory, resume_from
 
 
-def written_by_job(directory: files.CheckpointDir, cluster: Cluster) -> bool:
+def written_by_job(directory: CheckpointDir, cluster: Cluster) -> bool:
     """Whether the newest checkpoint of ``directory`` that loads (the one a resume takes) was
     written under ``cluster``'s torchrun job (its rdzv id). torchrun's default id, ``none``, which
     every job without --rdzv-id has, names a job only to a restart (TORCHELASTIC_RESTART_COUNT >
@@ -63,13 +64,13 @@ def written_by_job(directory: files.CheckpointDir, cluster: Cluster) -> bool:
         return False
     for _, path in reversed(directory.steps()):
         try:
-            return (files.load(path).get("run") or {}).get("torchrun_run_id") == cluster.run_id
+            return (loading.load(path).get("run") or {}).get("torchrun_run_id") == cluster.run_id
         except CheckpointError:  # damaged: resume passes over it to the one before, as here
             continue
     return False
 
 
-def _check_owned(directory: files.CheckpointDir, resume_from: Path | None) -> None:
+def _check_owned(directory: CheckpointDir, resume_from: Path | None) -> None:
     """A run writes only into a checkpoint directory that is empty or holds the run it continues
     from its latest checkpoint: another run's files (or later ones of its own) would be pruned
     against its own, and ``latest`` would name theirs.
@@ -132,16 +133,16 @@ def resume(target: Path, run: Resumable, settings: TrainerConfig, workers: int, 
         CheckpointError: it cannot be used for this run (another model, optimizer or sample order).
         ConfigError: it has nothing left to train.
     """
-    path, saved, passed = files.load_resumable(target)
+    path, saved, passed = loading.load_resumable(target)
     for reason in passed:
         log.warning("passing over a damaged checkpoint: %s", reason)
     check_same_run(saved, path, run.sample_order, run.run_config, settings.resume_strict)
-    files.check_model(saved, run.model, path)
-    optimizers, schedules = files.phase_states(saved, [(s.name, s.shape) for s in run.layout.slots],
-                                               len(run.phases), path)
+    loading.check_model(saved, run.model, path)
+    optimizers, schedules = contents.phase_states(saved, [(s.name, s.shape) for s in run.layout.slots],
+                                                  len(run.phases), path)
     for held, (optimizer_class, keys) in zip(optimizers, run.optimizers):
         if optimizer_class is not None:
-            files.check_optimizer(held, keys, optimizer_class.__name__, path)
+            loading.check_optimizer(held, keys, optimizer_class.__name__, path)
     if saved["step"] >= run.total_steps:
         raise ConfigError(f"{path} is at step {saved['step']}, and this run has {run.total_steps} steps: nothing "
                           "left to train; raise epochs or max_steps to go on")

@@ -11,7 +11,8 @@ from ..engine.events import CheckpointPart
 from ..engine import PhaseSpec, optimizer_state, unpack
 from ..recipe.flat_layout import FlatLayout
 from ..errors import TrainingDiverged
-from . import files
+from . import contents
+from .directory import CheckpointDir
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class CheckpointWriter(Callback):
 
     essential = True  # a checkpoint that cannot be written ends the run: it is what a resume needs
 
-    def __init__(self, directory: files.CheckpointDir | None, layout: FlatLayout, phases: list[PhaseSpec],
+    def __init__(self, directory: CheckpointDir | None, layout: FlatLayout, phases: list[PhaseSpec],
                  sample_order: dict[str, Any], run_config: dict[str, Any] | None, callbacks: Callbacks):
         self.directory, self.layout, self.phases = directory, layout, phases
         self.sample_order, self.run_config, self.callbacks = sample_order, run_config, callbacks
@@ -52,7 +53,7 @@ class CheckpointWriter(Callback):
         del self._parts[part.step]
         saved = self._assemble(part.step, [parts[r] for r in range(self.layout.world_size)],
                                self._states.pop(part.step))
-        if not files.is_finite(saved):  # finite gradients, and yet: an update overflowed
+        if not contents.is_finite(saved):  # finite gradients, and yet: an update overflowed
             raise TrainingDiverged(part.step, parameters=True)
         try:
             self.last_saved = self.directory.save(saved)
@@ -73,12 +74,12 @@ class CheckpointWriter(Callback):
             # A plateau scheduler's state: the same in every worker that holds one of this phase's pieces.
             schedules.append(next((p["phases"][index]["schedule"] for p in ordered
                                    if p["phases"][index]["schedule"] is not None), None))
-        optimizer, schedule = files.phase_entries(optimizers, schedules)
+        optimizer, schedule = contents.phase_entries(optimizers, schedules)
         run = {**self.sample_order, "workers": self.layout.world_size, "stream": ordered[0].get("stream"),
                **self.carried}
-        saved = files.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run, self.run_config,
-                            schedule=schedule, ema=ordered[0].get("ema"), aliases=ordered[0].get("aliases"),
-                            callbacks=callbacks)
+        saved = contents.build(step, ordered[0]["model"], optimizer, [p["rng"] for p in ordered], run,
+                               self.run_config, schedule=schedule, ema=ordered[0].get("ema"),
+                               aliases=ordered[0].get("aliases"), callbacks=callbacks)
         if all("compress" in p for p in ordered):  # compress=powersgd: each shard's, of every node
             saved["compress"] = [p["compress"] for p in ordered]
         return saved

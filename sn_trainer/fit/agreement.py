@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from .. import __version__
-from ..checkpoint.files import CheckpointDir
+from ..checkpoint.directory import CheckpointDir
 from ..node.cluster import Cluster
 from ..errors import ConfigError
 

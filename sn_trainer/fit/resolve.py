@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..checkpoint.files import CheckpointDir
+from ..checkpoint.directory import CheckpointDir
 from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data import random_state
