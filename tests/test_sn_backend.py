@@ -42,9 +42,9 @@ def exact(op: str, values: list[torch.Tensor]) -> torch.Tensor:
 
 def init(rank: int, world: int, store_path: str, timeout_s: float = 30.0) -> None:
     import sn_trainer.distributed  # noqa: F401  (registers "sn")
-    from sn_trainer.distributed import group
+    from sn_trainer.distributed import backend
 
-    group.SLOT_BYTES = SMALL_SLOT_BYTES
+    backend.SLOT_BYTES = SMALL_SLOT_BYTES
     dist.init_process_group("sn", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

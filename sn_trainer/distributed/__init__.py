@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .group import SnBackend, create_sn_group
+from .backend import SnBackend, create_sn_group
 
 __all__ = ["SnBackend", "register"]
 
