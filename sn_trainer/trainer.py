@@ -27,10 +27,12 @@ from .node.runtime import Runtime, available_allocators, available_openmps
 from .node.topology import read_topology
 from .engine import StopFlags, starts_warm, warm_up
 from .errors import ConfigError
-from .fit import decide, lightning, proof
+from .fit import decide, proof
 from .fit.resolve import FitInputs, resolve_evaluation, resolve_fit, steps
 from .fit.result import FitResult, fit_result
 from .fit.session import Session, launch_workers
+from .integrations import lightning
+from .integrations.lightning_module import lightning_root
 from .phase import Phase
 
 log = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ class Trainer:
         given = FitInputs(model, train_set, eval_set, optimizer, loss_fn, scheduler, step_fn, metric_fn, param_groups,
                           phases, collate_fn, eval_collate_fn, run_config, after_update=after_update)
         module_hooks = []
-        if lightning.lightning_root(model) is not None:  # its own steps, optimizer and hooks; never fit's defaults
+        if lightning_root(model) is not None:  # its own steps, optimizer and hooks; never fit's defaults
             given, module_hooks = lightning.adapt(given)
         history = History()
         hooks = Callbacks([history, *([OnLog(on_log)] if on_log is not None else []),
@@ -197,7 +199,7 @@ class Trainer:
         """Exact mean loss (and accuracy for class scores, and metric_fn's metrics) over ``dataset``."""
         given = FitInputs(model, eval_set=dataset, loss_fn=loss_fn, step_fn=step_fn, metric_fn=metric_fn,
                           eval_collate_fn=collate_fn)
-        if lightning.lightning_root(model) is not None:
+        if lightning_root(model) is not None:
             given = lightning.adapt_evaluation(given)
         run = resolve_evaluation(given, self.settings, self.placement)
         results, _, _ = launch_workers(run, run.first_plan, self._stop, self._met())

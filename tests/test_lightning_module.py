@@ -255,7 +255,8 @@ def test_fit_arguments_beside_its_own_steps_are_refused():
 
 
 def test_a_plain_module_never_imports_lightning():
-    code = ("import sys, torch; from sn_trainer import Trainer; from sn_trainer.fit import lightning; "
-            "assert lightning.lightning_root(torch.nn.Linear(2, 2)) is None; "
+    code = ("import sys, torch; from sn_trainer import Trainer; from sn_trainer.integrations import lightning; "
+            "from sn_trainer.integrations.lightning_module import lightning_root; "
+            "assert lightning_root(torch.nn.Linear(2, 2)) is None; "
             "assert not [m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -31,6 +31,9 @@ LAYERS = {
     "callbacks": 3, "checkpoint": 3, "export": 3, "tuner": 3,  # the launcher's components
     "report": 4,  # writers the command line attaches (progress, TensorBoard, MLflow) and the sweep report
     "fit": 5,  # one fit: resolve, session, result
+    # adapters to third-party frameworks (a LightningModule as fit's arguments): they read fit's inputs
+    # (fit/resolve.py), so they sit at fit's layer, below the Trainer that calls them
+    "integrations": 5,
     "doctor": 5,  # reads what a fit returned or a run's folder holds, against the seeds' tables
     "trainer": 6,  # the public API
     "cli": 7, "__main__": 7, "__init__": 7,  # the command lines, sn_trainer's own __main__, the lazy names
