@@ -119,11 +119,19 @@ def test_runtime_launches_are_named_alike_for_every_variant():
 
 
 @pytest.mark.unit
-def test_memory_counts_a_whole_process_tree():
+def test_memory_counts_a_whole_process_tree(monkeypatch):
+    """Every descendant counted once, a process that just ended as 0. (Not against this process's
+    own PSS read twice: it moves between two reads whenever another process maps the same libraries.)"""
+    import types
+
     import psutil
 
-    me = psutil.Process()
-    assert bench.tree_pss(me) >= bench.pss_bytes(me.pid) > 0
+    assert bench.pss_bytes(psutil.Process().pid) > 0
+    pss = {1: 100, 2: 20, 3: 3}  # 4: ended between the listing and its read
+    monkeypatch.setattr(bench, "pss_bytes", lambda pid: pss.get(pid, 0))
+    root = types.SimpleNamespace(pid=1, children=lambda recursive: [types.SimpleNamespace(pid=p) for p in (2, 3, 4)]
+                                 if recursive else [types.SimpleNamespace(pid=2)])
+    assert bench.tree_pss(root) == 123
 
 
 @pytest.mark.unit

@@ -434,13 +434,13 @@ def test_namesakes_and_long_modules_are_found(tmp_path):
     class past their limits, are reported."""
     package = tmp_path / "sn_trainer"
     long_class = "class Replica:\n" + "    x = 1\n" * MAX_CLASS_LINES
-    for path, text in {"__init__.py": "", "config.py": "", "cli/__init__.py": "", "cli/run_config.py": "",
+    for path, text in {"__init__.py": "", "engine/plan.py": "", "report/__init__.py": "", "report/plan.py": "",
                        "launch/__init__.py": "", "engine/__init__.py": "", "engine/processes/__init__.py": "",
                        "engine/processes/launch.py": "", "engine/step/__init__.py": "", "engine/step/replica.py": long_class,
                        "fit/__init__.py": "", "fit/resolve.py": "\n" * (MAX_MODULE_LINES + 1)}.items():
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text(text)
-    assert namesakes(package) == ["config.py is sn_trainer/cli/run_config.py and sn_trainer/config.py",
+    assert namesakes(package) == ["plan.py is sn_trainer/engine/plan.py and sn_trainer/report/plan.py",
                                   "sn_trainer/engine/processes/launch.py is named like the folder launch/"]
     assert too_long(package) == [f"sn_trainer/engine/step/replica.py: class Replica, {MAX_CLASS_LINES + 1} lines",
                                  f"sn_trainer/fit/resolve.py: {MAX_MODULE_LINES + 1} lines"]
