@@ -1,4 +1,5 @@
-"""Command line: ``python -m sn_trainer key=value ...`` (Hydra). The only module importing hydra."""
+"""Command line: ``python -m sn_trainer key=value ...`` (Hydra). With cli/hydra_settings.py and
+cli/hydra_callbacks.py, the only modules importing hydra."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from .cli import hydra_settings  # noqa: F401 - registers every setting's default before Hydra composes
 from .cli.run_config import RunConfig, help_text
 from .engine import forkserver
 from .errors import InputError, TrainingDiverged, TrainingInterrupted, WorkerFailed

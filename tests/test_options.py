@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sn_trainer
+from sn_trainer.cli import hydra_settings
 from sn_trainer.cli.run_config import CLI_DEFAULTS, RunConfig, option_rows, options_markdown
 from sn_trainer.config import settings_markdown
 
@@ -45,6 +46,19 @@ def test_the_yaml_defaults_are_the_dataclass_defaults():
         expected = CLI_DEFAULTS.get(key, (rows[key],))[-1]
         assert value == expected, f"{key}: the YAML says {value!r}, config.py says {expected!r}"
     RunConfig.from_dict(composed())  # and it builds
+
+
+@pytest.mark.unit
+def test_the_main_config_writes_no_default_of_its_own():
+    """conf/config.yaml holds its defaults list and Hydra's settings: every default comes from the
+    dataclasses, through the config store's node, once."""
+    own = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    assert set(own) == {"defaults", "hydra"}
+    assert own["defaults"][0] == hydra_settings.NAME
+    node = leaves(hydra_settings.settings_node())
+    assert node["batch_size"] == sn_trainer.TrainerConfig().batch_size and node["bench.steps"] == 30
+    assert node["checkpoint.dir"] == CLI_DEFAULTS["checkpoint.dir"][1]
+    assert not any(key.startswith(("model.", "dataset.", "optim.")) for key in node)  # their options' YAML
 
 
 @pytest.mark.unit
