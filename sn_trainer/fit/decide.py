@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import tuner
 from ..config import TrainerConfig
-from ..engine.collectives.comm import choose_reducer
+from ..engine.collectives.registry import choose_reducer
 from ..engine.node.cluster import Cluster
 from ..engine.node.machine import bf16_supported
 from ..engine.node.runtime import Runtime

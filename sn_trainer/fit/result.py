@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainerConfig
-from ..engine.collectives.comm import REDUCERS
+from ..engine.collectives.registry import REDUCERS
 from ..engine.events import WorkerResult
 from ..engine.memory.layout import tied_aliases
 from ..engine.processes.signals import StopFlags

@@ -19,7 +19,7 @@ import torch
 from ..callbacks import Callback, Callbacks
 from ..checkpoint.resume import Resumed, resume
 from ..checkpoint.writer import CheckpointWriter
-from ..engine.collectives.comm import REDUCERS, auto_candidates
+from ..engine.collectives.registry import REDUCERS, auto_candidates
 from ..engine.events import WorkerResult
 from ..engine.memory.peak import PeakMemory
 from ..engine.memory.shared import SharedParams, buffer_count

@@ -21,8 +21,10 @@ from ...data.feed import Feed
 from ...data.source import Source, different_orders
 from ...errors import DataError
 from ..collectives import metric_states
-from ..collectives.comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from ..collectives.compression import PowerSGD, shard_compression
+from ..collectives.over_gloo import CrossNodeReducer
+from ..collectives.reducer import Reducer, ReducerSetup
+from ..collectives.registry import make_reducer
 from ..memory.layout import FlatLayout, tied_aliases
 from ..memory.shared import ReplicaBuffers
 from ..node.cluster import Cluster
