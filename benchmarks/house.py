@@ -15,7 +15,7 @@ Prints:
 - what each of three extensions touches, as the modules that name the kinds it adds to:
   a data source (modules naming a class with ``micro_slice``, or comparing with a source kind's
   string), a reducer (modules naming a reducer kind: a class with ``reduce``, ``barrier`` and a
-  ``name`` of its own, or the comm module's shared-buffer classes or ``COMMS``, or comparing with a
+  ``name`` of its own, or the reducers' modules' shared-buffer classes or ``COMMS``, or comparing with a
   reducer's name), a worker-fed hook
   (the module defining the events, the one defining ``Callback``, those constructing an event,
   and those testing an event's class with ``isinstance``).
@@ -147,7 +147,7 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
     strings = {path: compared_strings(tree) for path, tree in mods.items()}
     defined = defaultdict(set)
     sources, reducers, events, source_kinds, reducer_names = set(), set(), set(), set(), set()
-    comm_module, events_module, callback_module = None, None, None
+    reducer_modules, events_module, callback_module = set(), None, None  # the reducers may span modules
     for path, tree in mods.items():
         for c in classes(tree):
             defined[c.name].add(path)
@@ -159,15 +159,15 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
             if {"reduce", "barrier"} <= methods(c) and class_attribute(c, "name"):
                 reducers.add(c.name)
                 reducer_names.add(class_attribute(c, "name"))
-                comm_module = path
+                reducer_modules.add(path)
             if c.name == "Callback":
                 callback_module = path
         if path.endswith("events.py"):
             events_module = path
     if events_module:
         events = {c.name for c in classes(mods[events_module]) if c.name != "WorkerResult"}
-    if comm_module:
-        reducers |= {c.name for c in classes(mods[comm_module]) if c.name.endswith("Buffers")}
+    for path in reducer_modules:
+        reducers |= {c.name for c in classes(mods[path]) if c.name.endswith("Buffers")}
     source_kinds.discard(None)
     reducer_names.discard(None)
 

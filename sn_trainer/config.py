@@ -211,7 +211,7 @@ class TrainerConfig:
         clip = self.clip_grad_norm
         require(clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0),
                 f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm!r}")
-        # comm names a reducer: the registry of reducers (engine/collectives/comm.py) knows them; the placement checks it.
+        # comm names a reducer: the registry (engine/collectives/registry.py) knows them; the placement checks it.
         require(isinstance(self.comm, str) and bool(self.comm), f"comm must name a reducer, got {self.comm!r}")
         one_of(self.precision, "precision", PRECISIONS)
         one_of(self.shards, "shards", SHARDS)

@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from sn_trainer.engine.collectives.comm import GlooReducer, ReducerSetup
+from sn_trainer.engine.collectives.over_gloo import GlooReducer
+from sn_trainer.engine.collectives.reducer import ReducerSetup
 from sn_trainer.recipe.flat_layout import FlatLayout
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.unit]  # the unit tier: starts no process

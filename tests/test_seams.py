@@ -14,8 +14,8 @@ from sn_trainer import Callback, Trainer
 from sn_trainer.callbacks import Callbacks
 from sn_trainer.data import source as sources
 from sn_trainer.data.sampler import GlobalBatches, slice_bounds, steps_per_epoch
-from sn_trainer.engine.collectives import comm
-from sn_trainer.engine.collectives.comm import GlooReducer
+from sn_trainer.engine.collectives import registry
+from sn_trainer.engine.collectives.over_gloo import GlooReducer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +113,7 @@ class CopyOfGloo(GlooReducer):
 
 
 def test_a_new_reducer_is_one_class_registered_by_name(monkeypatch):
-    monkeypatch.setitem(comm.REDUCERS, CopyOfGloo.name, CopyOfGloo)
+    monkeypatch.setitem(registry.REDUCERS, CopyOfGloo.name, CopyOfGloo)
     torch.manual_seed(0)
     model = SmallConvNet().double()
     reference = plain_fit(copy.deepcopy(model), tiny_dataset(dtype=torch.float64), 12, 5, 3,

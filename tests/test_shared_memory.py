@@ -89,7 +89,8 @@ def test_the_layout_converts_channels_last_values_to_each_parameters_shape_and_b
 
 
 def _reducer(shared, rank: int, numel: int):
-    from sn_trainer.engine.collectives.comm import ReducerSetup, ShmReducer
+    from sn_trainer.engine.collectives.in_node import ShmReducer
+    from sn_trainer.engine.collectives.reducer import ReducerSetup
     from sn_trainer.recipe.flat_layout import Shard
 
     half = numel // 2
@@ -111,7 +112,7 @@ def test_each_gradient_row_is_first_touched_by_its_own_worker(tmp_path):
     node, from /proc/self/numa_maps."""
     import multiprocessing
 
-    from sn_trainer.engine.collectives.comm import ShmShared
+    from sn_trainer.engine.collectives.in_node import ShmShared
 
     numel = 1 << 20  # 4 MiB of float32 a row: 1024 pages
     shared = ShmShared.allocate(2, numel, torch.float32)

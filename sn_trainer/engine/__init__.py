@@ -49,9 +49,9 @@ FACE = {
     "optimizer_state": "memory.state",
     "group_params": "memory.state:group_params",
     # the reducers and compression
-    "REDUCERS": "collectives.comm:REDUCERS",
-    "auto_candidates": "collectives.comm:auto_candidates",
-    "choose_reducer": "collectives.comm:choose_reducer",
+    "REDUCERS": "collectives.registry:REDUCERS",
+    "auto_candidates": "collectives.registry:auto_candidates",
+    "choose_reducer": "collectives.registry:choose_reducer",
     "compression": "collectives.compression",
     # the step's parts the launcher's rehearsal and proof reuse
     "PhaseSpec": "step.phases:PhaseSpec",

@@ -21,14 +21,15 @@ from ...data.feed import Feed
 from ...data.source import Source, different_orders
 from ...errors import DataError
 from ...recipe import metric_states
-from ..collectives.comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
 from ..collectives.compression import PowerSGD, shard_compression
+from ..collectives.over_gloo import CrossNodeReducer
+from ..collectives.reducer import Reducer, ReducerSetup
+from ..collectives.registry import make_reducer
 from ...recipe.flat_layout import FlatLayout, tied_aliases
 from ..memory.shared import ReplicaBuffers
 from ...node.cluster import Cluster
 from ..plan import Plan
-from ..processes.pickling import pack
-from ..processes.supervise import Heartbeats
+from ..processes.launch import Heartbeats, pack
 from ..processes.signals import StopFlags
 from ..processes.stages import StageTimer
 from ...recipe import position
