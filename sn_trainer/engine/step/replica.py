@@ -29,7 +29,8 @@ from ...recipe.flat_layout import FlatLayout, tied_aliases
 from ..memory.shared import ReplicaBuffers
 from ...node.cluster import Cluster
 from ..plan import Plan
-from ..processes.launch import Heartbeats, pack
+from ..processes.pickling import pack
+from ..processes.supervise import Heartbeats
 from ..processes.signals import StopFlags
 from ..processes.stages import StageTimer
 from ...recipe import position
