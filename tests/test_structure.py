@@ -56,10 +56,10 @@ ENGINE_ROOMS = {
 }
 ENGINE_FACE_MODULES = {"plan", "worker", "events"}
 
-# A module a reader takes in at one sitting, a class one can hold in mind (CONTRIBUTING.md, "The house").
+# A module a reader takes in at one sitting, a class one can hold in mind (docs/contributing.md, "The house").
 MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250
 
-# A folder is a room a reader can enter (CONTRIBUTING.md, "The house"): past a dozen modules, its parts
+# A folder is a room a reader can enter (docs/contributing.md, "The house"): past a dozen modules, its parts
 # deserve sub-packages of their own.
 MAX_MODULES = 12
 

@@ -61,9 +61,9 @@ def warm_up(start_method: str, runtime: Runtime) -> None:
 def context(start_method: str, runtime: Runtime):
     if starts_warm(start_method, runtime):
         warm_up(start_method, runtime)
-        return mp.getcontext("forkserver")
+        return mp.get_context("forkserver")
     forkserver.stop_the_tracker_at_exit()
-    return mp.getcontext("spawn")
+    return mp.get_context("spawn")
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
