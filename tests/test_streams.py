@@ -17,7 +17,7 @@ from helpers import SmallConvNet, assert_exact, cross_entropy, tiny_dataset
 from sn_trainer import Trainer, checkpoint
 from sn_trainer.checkpoint import CheckpointDir
 from sn_trainer.config import TrainerConfig
-from sn_trainer.data.source import StreamSource
+from sn_trainer.data.stream import StreamSource
 from sn_trainer.errors import DataError
 
 pytestmark = pytest.mark.timeout(240)

@@ -40,6 +40,11 @@ def collate(collate_fn: Callable[[list], Any], items: list) -> Any:
 COLLATE_NOTE = "collate_fn raised, called with "  # how the note begins: the rehearsal's error line quotes it
 
 
+def collate_items(items: list, collate_fn: Callable[[list], Any] | None) -> Any:
+    """``items`` as one batch: through ``collate_fn`` (see ``collate``), or as a DataLoader without one."""
+    return collate(collate_fn, items) if collate_fn is not None else default_collate(items)
+
+
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts walked)."""
     if isinstance(batch, torch.Tensor):

@@ -1,4 +1,5 @@
-"""The global order of samples, computed identically by every worker, and each worker's slice."""
+"""The global order of samples, computed identically by every worker, and each worker's slice;
+a dataset that orders itself is told the epoch (``EpochTeller``)."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,11 @@ def slice_bounds(batch_size: int, world_size: int, rank: int) -> tuple[int, int]
     base, extra = divmod(batch_size, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+def part_bounds(count: int, unit: int) -> list[tuple[int, int]]:
+    """Bounds of the whole parts of ``unit`` in ``count`` positions (a short rest left out)."""
+    return [(lo, lo + unit) for lo in range(0, count - unit + 1, unit)]
 
 
 def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int, drop_last: bool) -> int:
@@ -55,3 +61,16 @@ class GlobalBatches:
             self._epoch = epoch
         start = (step * self.accumulate + micro) * self.batch_size
         return self._order[start : start + self.batch_size]
+
+
+class EpochTeller:
+    """Calls the dataset's ``set_epoch`` when the epoch read changes (only where it has one)."""
+
+    def __init__(self, dataset):
+        self._set = getattr(dataset, "set_epoch", None)
+        self._epoch = None
+
+    def __call__(self, epoch: int) -> None:
+        if self._set is not None and epoch != self._epoch:
+            self._set(epoch)
+        self._epoch = epoch
