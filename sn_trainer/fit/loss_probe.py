@@ -57,7 +57,7 @@ COUPLED_ADVICE = ("Its samples interact, so no (loss_sum, count) of a slice make
                   "workers: like DDP, not exact); or train with workers=1 and accumulate=1")
 
 
-# What a refusal advises, by what the probe found (resolve.py words the refusal around it).
+# What a refusal advises, by what the probe found (settle.py words the refusal around it).
 COUNTED_ADVICE = ("Return (loss_sum, count) from a step_fn instead: the loss summed over the slice and what the whole "
                   "batch's loss divides by, e.g. (F.cross_entropy(logits, targets, ignore_index=-100, "
                   "reduction=\"sum\"), (targets != -100).sum()), or (loss * n, n) for a per-sample mean of n samples "

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,32 +12,26 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 
 from ..checkpoint.directory import CheckpointDir
 from ..checkpoint.resume import locate, sample_order
 from ..config import TrainerConfig
 from ..data import random_state
 from ..data.sampler import slice_bounds, steps_per_epoch
-from ..data.source import Source, different_orders, make_source
-from ..engine import PhaseSpec, WorkerPickler, compression, run_workers
-from ..recipe import metric_states
-from ..recipe.flat_layout import FlatLayout, trainable_parameters
+from ..data.source import Source, make_source
+from ..engine import PhaseSpec, compression, run_workers
+from ..engine.plan import Placement, Plan
+from ..errors import ConfigError, UserCodeError
 from ..node.cluster import Cluster
 from ..node.runtime import Runtime
-from ..engine.plan import Placement, Plan
-from ..recipe.objective import GATHERED, LIKE_DDP, MEAN, Objective
-from ..errors import ConfigError, DataError, UserCodeError
+from ..recipe.flat_layout import FlatLayout, trainable_parameters
+from ..recipe.objective import Objective
 from ..optim import resolve_groups
 from ..phase import Phase
-from . import decide, loss_probe, preflight
+from . import checks, decide, preflight, settle
 from .agreement import AGREED_SETTINGS, agree_with_other_nodes, node_facts
 
 log = logging.getLogger(__name__)
-
-# Ignored labels are looked for in the first this many training samples, collated this many at a time.
-LABELS_SCANNED, LABELS_CHUNK = 1024, 64
 
 
 @dataclass(frozen=True)
@@ -102,57 +94,112 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     the run once (``settings`` have the machine's choices decided already; ``progress_awaited``:
     a callback may act on progress records, so the workers wait for the callbacks after each).
 
+    In stages, in this order: the user's objective and data read (``_objective``, ``_sources``,
+    ``steps_of``), the inputs refused where bad and the phases resolved (``_checked``), the user's
+    code rehearsed on one micro-batch (``_rehearsed``), the objectives settled on what it found
+    (``settle.objectives``), the shards decided and the settings checked together (``_decided``),
+    the checkpoints located and agreed between the nodes (``_located``), and the plan every worker
+    reads, with why the run is like DDP (``settle.like_ddp``), and the flat layout.
+
     Raises:
         ConfigError, DataError, CheckpointError, UserCodeError: before any worker starts.
     """
-    model = given.model
+    splits = placement.global_workers * settings.accumulate > 1  # no decision below changes accumulate
     objective = _objective(given)
     train, evaluation = _sources(given, settings, objective)
     per_epoch, total_steps = steps_of(settings, train)
-    if settings.measure_after >= total_steps:
-        raise ConfigError(f"measure_after={settings.measure_after} leaves none of the {total_steps} steps to "
-                          "measure; lower it or train longer")
-    if placement.global_workers > 1:
-        _check_one_order(train, settings.batch_size * settings.accumulate, settings.seed)
-        if evaluation is not None:
-            _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
-    _check_model(model)
-    phases = resolve_phases(model, given, objective)
-    _check_sendable(given, objective, phases)
-    settings = decide.for_model(settings, model)
-    splits = placement.global_workers * settings.accumulate > 1
-    rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
-                                  evaluation, settings.eval_batch_size, objective, phases, settings, splits)
-    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators,
-                                  global_workers=placement.global_workers)
-    findings = rehearse(rehearsal, settings)
-    if splits:
-        findings = _labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
-    _settle_losses(objective, phases, findings, splits, evaluation, settings.split)
-    _settle_metrics(objective, findings, placement.global_workers)
-    settings, unproven = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
-    _check_combinations(settings, placement, train.size)
-    _check_gathered(phases, findings, settings, placement, train.size)
-    checkpoints, resume_from = locate(settings, cluster)
-    if cluster is not None and cluster.spans_nodes:
-        agree_with_other_nodes(cluster, node_facts(model, placement.workers, total_steps,
-                                                   sample_order(settings, train.size), {
-                                                       name: getattr(settings, name) for name in AGREED_SETTINGS},
-                                                   resume_from))
-    like_ddp = _like_ddp(model, phases, findings, rehearsal.data_draws_random, settings) if splits else ()
+    phases = _checked(given, objective, train, evaluation, settings, placement, total_steps)
+    settings, findings, draws_random = _rehearsed(given.model, train, evaluation, objective, phases, settings,
+                                                  placement, splits)
+    objective, phases = settle.objectives(objective, phases, findings, splits, evaluation, placement.global_workers,
+                                          settings.split)
+    settings, unproven = _decided(settings, placement, phases, findings, train.size)
+    checkpoints, resume_from = _located(given.model, settings, placement, cluster, train.size, total_steps)
+    like_ddp = settle.like_ddp(given.model, phases, findings, draws_random, settings) if splits else ()
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
                 total_steps=total_steps, start_step=0, loss_form=objective.form,
                 phase_forms=tuple((p.name, p.objective.form) for p in phases) if given.phases else (),
                 evaluates=evaluation is not None, metrics=reported(findings.eval_keys, settings) if evaluation else (),
                 evaluate_only=False, checkpointing=checkpoints is not None, progress_awaited=progress_awaited,
                 like_ddp=like_ddp, unproven=unproven if splits else ())
-    layout = FlatLayout(model, placement.workers, settings.channels_last, settings.shards)
+    layout = FlatLayout(given.model, placement.workers, settings.channels_last, settings.shards)
     _say_compression(settings, phases, layout)
-    return Run(model=model, train=train, evaluation=evaluation, objective=objective, phases=phases,
-               layout=layout,
-               findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,
+    return Run(model=given.model, train=train, evaluation=evaluation, objective=objective, phases=phases,
+               layout=layout, findings=findings, first_plan=plan, checkpoints=checkpoints, resume_from=resume_from,
                sample_order=sample_order(settings, train.size), run_config=given.run_config,
-               initial_state={k: v.detach().clone() for k, v in model.state_dict().items()})
+               initial_state={k: v.detach().clone() for k, v in given.model.state_dict().items()})
+
+
+def _checked(given: FitInputs, objective: Objective, train: Source, evaluation: Source | None,
+             settings: TrainerConfig, placement: Placement, total_steps: int) -> list[PhaseSpec]:
+    """The run's phases, with what can be refused before the user's code runs refused: steps
+    left to measure, one order of the data in every worker, the model, and what the workers
+    receive.
+
+    Raises:
+        ConfigError, DataError: what is wrong, and how to fix it.
+    """
+    checks.check_measured(settings.measure_after, total_steps)
+    if placement.global_workers > 1:
+        checks.check_one_order(train, settings.batch_size * settings.accumulate, settings.seed)
+        if evaluation is not None:
+            checks.check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
+    checks.check_model(given.model)
+    phases = resolve_phases(given.model, given, objective)
+    checks.check_sendable(_sent(given, objective, phases))
+    return phases
+
+
+def _rehearsed(model: nn.Module, train: Source, evaluation: Source | None, objective: Objective,
+               phases: list[PhaseSpec], settings: TrainerConfig, placement: Placement, splits: bool
+               ) -> tuple[TrainerConfig, preflight.Findings, bool]:
+    """The user's code rehearsed on one micro-batch, with the settings it needs decided first (the
+    model's layout and compile, then how the training set is read), and ignored labels looked for
+    where the run splits its batches: the settings so far, the findings, and whether reading the
+    training set draws from the global random generators.
+
+    Raises:
+        ConfigError, UserCodeError: before any worker starts.
+    """
+    settings = decide.for_model(settings, model)
+    rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
+                                  evaluation, settings.eval_batch_size, objective, phases, settings, splits)
+    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators,
+                                  global_workers=placement.global_workers)
+    findings = rehearse(rehearsal, settings)
+    if splits:
+        findings = settle.labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
+    return settings, findings, rehearsal.data_draws_random
+
+
+def _decided(settings: TrainerConfig, placement: Placement, phases: list[PhaseSpec], findings: preflight.Findings,
+             dataset_size: int | None) -> tuple[TrainerConfig, tuple[str, ...]]:
+    """The settings with the shards decided for the optimizers the rehearsal built, and checked
+    together; and why a shard kind set by hand is unproven for an optimizer.
+
+    Raises:
+        ConfigError: an optimizer sn_trainer cannot run, or settings that cannot work together.
+    """
+    settings, unproven = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
+    checks.check_combinations(settings, placement, dataset_size)
+    checks.check_gathered(phases, findings, settings, placement, dataset_size)
+    return settings, unproven
+
+
+def _located(model: nn.Module, settings: TrainerConfig, placement: Placement, cluster: Cluster | None,
+             dataset_size: int | None, total_steps: int) -> tuple[CheckpointDir | None, Path | None]:
+    """Where this process writes checkpoints and which one the run resumes from, agreed with every
+    other node's, with what else every node must share (``agreement``).
+
+    Raises:
+        CheckpointError, ConfigError: no such checkpoint, or nodes that disagree.
+    """
+    checkpoints, resume_from = locate(settings, cluster)
+    if cluster is not None and cluster.spans_nodes:
+        shared = {name: getattr(settings, name) for name in AGREED_SETTINGS}
+        agree_with_other_nodes(cluster, node_facts(model, placement.workers, total_steps,
+                                                   sample_order(settings, dataset_size), shared, resume_from))
+    return checkpoints, resume_from
 
 
 def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Placement) -> Run:
@@ -165,15 +212,13 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     evaluation = make_source(given.eval_set, "dataset", settings, given.eval_collate_fn,
                              _accepts(objective, given.model, given.eval_collate_fn))
     if placement.global_workers > 1:
-        _check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
-    _check_sendable(given, objective, [])
+        checks.check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
+    checks.check_sendable(_sent(given, objective, []))
     settings = decide.for_model(settings, given.model)
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
                                           settings), settings)
-    objective.eval_keys = findings.eval_keys
-    _settle_metrics(objective, findings, placement.global_workers)
-    objective.form = findings.loss.form or MEAN  # evaluation weighs chunks by samples, as a plain loop does
-    _check_gathered([], findings, settings, placement, None)
+    objective = settle.evaluation_objective(objective, findings, placement.global_workers)
+    checks.check_gathered([], findings, settings, placement, None)
     # What only training uses stays out: no accumulation, no moving average, no batch-norm sums.
     settings = dataclasses.replace(settings, accumulate=1, drop_last=True, shards="elements", prefetch=False,
                                    ema_decay=None, sync_batchnorm=False)
@@ -322,66 +367,8 @@ def _sources(given: FitInputs, settings: TrainerConfig, objective: Objective) ->
     return train, evaluation
 
 
-# Items of a stream read twice before the start: enough for a shuffle buffer's draws to show,
-# few enough that the launcher's reading stays short whatever the batch.
-_HEAD_ITEMS = 256
-
-
-def _check_one_order(source: Source, count: int, seed: int) -> None:
-    """Refuse a stream whose order follows the random state of the process reading it: its first
-    ``count`` items (at most ``_HEAD_ITEMS``) read twice, from two copies, in the random states
-    workers 0 and 1 start with. The workers prove their orders the same step by step; this
-    catches most such streams (an unseeded shuffle buffer, torch.randperm in __iter__) before any
-    worker starts.
-
-    Raises:
-        DataError: the two reads differ.
-    """
-    count, digests = min(count, _HEAD_ITEMS), set()
-    for rank in (0, 1):
-        with random_state.kept():
-            random_state.seed(seed * 1000 + rank)  # as engine/worker.py seeds worker ``rank``
-            digests.add(source.head_digest(count))
-    if len(digests) > 1:
-        raise DataError(different_orders(f"its first {count} items differed between two reads before any worker "
-                                         "started"))
-
-
-def _check_model(model: nn.Module) -> None:
-    """A model sn_trainer can train: some trainable parameter, and only dense gradients.
-
-    Raises:
-        ConfigError: no trainable parameter; an embedding built with sparse=True (its gradient is a
-            sparse tensor, which the flat gradient buffers and the loss probe cannot hold).
-    """
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError("the model has no trainable parameters (none with requires_grad=True)")
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
-            raise ConfigError(f"the model's {type(module).__name__} {name or '(the model itself)'!r} is built with "
-                              "sparse=True, and sn_trainer trains dense gradients only: build it with sparse=False "
-                              "(dense gradients), and use a dense optimizer such as Adam or AdamW instead of "
-                              "SparseAdam")
-    if not any(module.training for module in model.modules()):
-        log.warning("the model is in eval mode (every module): it trains so, as a plain loop without "
-                    "model.train() would (no dropout, batch norm by its running statistics); call model.train() "
-                    "before fit to train with them")
-
-
-class _TensorFreePickler(WorkerPickler):
-    """Pickles everything but tensors, as a launch is pickled: enough to tell whether an object can
-    reach a worker (lambdas, local functions and what a notebook defines can)."""
-
-    def persistent_id(self, obj):
-        return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) else None
-
-
-def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSpec]) -> None:
-    """Everything the workers receive can be pickled to them.
-
-    Raises:
-        ConfigError: names what cannot, and why.
-    """
+def _sent(given: FitInputs, objective: Objective, phases: list[PhaseSpec]) -> list[tuple[Any, str]]:
+    """Everything the workers receive of the user's, each as ``checks.check_sendable`` names it."""
     training = given.train_set is not None  # else evaluate(dataset, collate_fn=...) was called
     named = [(given.model, "the model"), (objective, "the loss, step or metric function"),
              (given.train_set, "train_set"), (given.eval_set, "eval_set" if training else "dataset"),
@@ -391,171 +378,7 @@ def _check_sendable(given: FitInputs, objective: Objective, phases: list[PhaseSp
         named += [(phase.objective, where + "the step function"), (phase.optimizer, where + "the optimizer factory"),
                   (phase.scheduler, where + "the scheduler factory"), (phase.after_update, where + "after_update"),
                   (phase.group_options, where + "the parameter groups' options")]
-    for obj, what in named:
-        try:
-            _TensorFreePickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except Exception as exc:  # noqa: BLE001 - pickling fails in many ways; all mean the same here
-            raise ConfigError(
-                f"{what} cannot be sent to a worker process ({exc}); it holds something no process can receive "
-                "(an open file, a lock, a generator, a socket): create it in the worker, e.g. lazily on first use"
-            ) from None
-
-
-def _labels_seen(findings: preflight.Findings, train: Source, probe_group: Any, settings: TrainerConfig,
-                 micro: int) -> preflight.Findings:
-    """The findings, with a per-sample mean measured on a few samples not trusted where the first
-    LABELS_SCANNED samples of the training set, collated in global batches, hold ignored labels:
-    whether the measured samples showed them was chance, the positions read are not. A
-    collate_fn of the user's collates whole micro-batches of a worker (``micro`` samples) only.
-
-    Raises:
-        UserCodeError: the dataset or collate_fn failed.
-    """
-    if not any(found.loss.form == MEAN for found in findings.phases):
-        return findings
-    chunk = min(settings.batch_size, LABELS_CHUNK)
-    chunks = max(1, LABELS_SCANNED // chunk)
-    if getattr(train, "collate_fn", None) is not None:  # whole micro-batches, no short rest (as the rehearsal's)
-        chunk = max(1, micro)
-        chunks = max(1, (LABELS_SCANNED if train.size is None else min(LABELS_SCANNED, train.size)) // chunk)
-
-    def batches():
-        yield probe_group
-        for batch, _ in train.eval_chunks(0, 1, chunk, chunks):
-            yield batch
-
-    with random_state.kept():  # a stream that shuffles itself draws; the run's streams stay as they were
-        seen = preflight.attempt("looking for ignored labels in the first training samples", lambda: [
-            dataclasses.replace(found, loss=loss_probe.labels_seen(found.loss, batches()))
-            for found in findings.phases])
-    return dataclasses.replace(findings, phases=tuple(seen), loss=seen[0].loss if seen else findings.loss)
-
-
-def _settle_losses(objective: Objective, phases: list[PhaseSpec], findings: preflight.Findings, splits: bool,
-                   evaluation: Source | None, split: str = "exact") -> None:
-    """Each phase's loss form (refused where it has no exact split and the run splits it, unless
-    split=like_ddp), what evaluation reports, and that a scheduler's monitored metric is among it."""
-    objective.eval_keys = findings.eval_keys
-    for phase, found in zip(phases, findings.phases):
-        phase.objective.form = _loss_form(found.loss, phase.objective, splits, split)
-        _check_monitor(found.schedule_monitor, objective.eval_keys, evaluation)
-
-
-def _like_ddp(model: nn.Module, phases: list[PhaseSpec], findings: preflight.Findings,
-              data_draws_random: bool, settings: TrainerConfig) -> tuple[str, ...]:
-    """Why a run that splits its batches trains like DDP rather than as one process would (none:
-    exact, to be verified on the run): random draws each worker makes from its own streams, batch
-    norm over each worker's slice, buffers worker 0's forward passes write, and losses weighed as DDP
-    weighs them. Said at the default log level, and kept in the plan (summary.json's ``exactness``):
-    where one process's step cannot be reproduced, nothing is verified against it."""
-    reasons = []
-    dropout = [name or type(model).__name__ for name, m in model.named_modules()
-               if isinstance(m, _DropoutNd) and m.p > 0]
-    if dropout:
-        reasons.append(f"the model's dropout ({_names(dropout)}) draws each worker's masks")
-    norms = [name or type(model).__name__ for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
-    if norms and not settings.sync_batchnorm:
-        reasons.append(f"batch norm ({_names(norms)}) normalises each worker's slice by its own statistics "
-                       "(sync_batchnorm=true: by the global batch's)")
-    normed = {f"{name}.{leaf}" if name else leaf for name, m in model.named_modules() if isinstance(m, _BatchNorm)
-              for leaf in m._buffers}
-    changed = sorted({b for found in findings.phases for b in found.changed_buffers} - normed)
-    if changed:
-        reasons.append(f"the forward pass writes buffers ({_names(changed)}): every worker starts each step from "
-                       "worker 0's values")
-    for phase, found in zip(phases, findings.phases):
-        prefix = f"phase {phase.name!r}: " if len(phases) > 1 else ""
-        if found.loss.draws:
-            reasons.append(prefix + found.loss.draws)
-        if phase.objective.form == LIKE_DDP:
-            reasons.append(f"{prefix}split=like_ddp weighs each worker's loss as DDP does")
-    if data_draws_random:
-        reasons.append("reading train_set draws from torch's, numpy's or random's global generators (augmentation); "
-                       "for exact augmentation, seed each sample's draws from (seed, epoch, index): wrap the "
-                       "dataset in sn_trainer.data.SeededPerSample")
-    if reasons:
-        log.warning("like DDP, not equal to one process: %s (random draws come from each worker's own streams, seeded "
-                    "from seed and rank: repeatable, same distribution, other numbers); no step is compared with one "
-                    "process's", "; ".join(reasons))
-    return tuple(reasons)
-
-
-def _names(names: list[str]) -> str:
-    return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-
-
-def _settle_metrics(objective: Objective, findings: preflight.Findings, global_workers: int) -> None:
-    """The torchmetrics Metrics evaluation merges across workers, each refused where its states
-    cannot be merged exactly and the run has more than one worker to merge.
-
-    Raises:
-        ConfigError: names the metric, the state and what to do instead.
-    """
-    objective.metric_templates = dict(findings.metric_templates)
-    if global_workers == 1:
-        return  # one worker: its states are the whole set's, nothing is merged
-    for name, template in objective.metric_templates.items():
-        why = metric_states.unmergeable(template)
-        if why is not None:
-            raise ConfigError(f"metric_fn's {name!r} cannot be evaluated over {global_workers} workers exactly: "
-                              f"{why}; return it as (sum, count) terms, use a torchmetrics metric whose states are "
-                              "summed, concatenated, or a min or max, or evaluate with workers=1")
-
-
-def _loss_form(finding: loss_probe.Finding, objective: Objective, splits: bool, split: str = "exact") -> str:
-    """The form a scalar loss is split by; a loss with no exact split is refused where it splits,
-    or weighed like DDP where the user chose split=like_ddp.
-
-    Raises:
-        ConfigError: the loss cannot be split exactly, and the run splits it (workers or accumulate).
-    """
-    if finding.form is not None:
-        return finding.form
-    if not splits:
-        return MEAN  # one slice a step: its loss is the batch's, whatever it divides by
-    if split == "like_ddp":
-        log.warning("%s gives a scalar loss with no exact split (%s); split=like_ddp: each worker's loss is weighed "
-                    "as DDP weighs it (each worker's mean, averaged over the workers): like DDP, not exact",
-                    objective.what, finding.detail)
-        return LIKE_DDP
-    raise ConfigError(f"{objective.what} gives a scalar loss that cannot be split over workers exactly: "
-                      f"{finding.detail}. {finding.advice}")
-
-
-def _check_monitor(monitor: str | None, eval_keys: tuple[str, ...], evaluation: Source | None) -> None:
-    """A scheduler that steps on an evaluation metric needs an evaluation that reports it.
-
-    Raises:
-        ConfigError: no evaluation set, or one whose evaluation does not report ``monitor``.
-    """
-    if monitor is None:
-        return
-    if evaluation is None:
-        raise ConfigError(f"the scheduler steps on {monitor} after each evaluation, and this run evaluates nothing: "
-                          "pass eval_set=..., or a scheduler that steps per step or epoch")
-    reported = [f"eval_{key}" for key in eval_keys]
-    if monitor not in reported:
-        raise ConfigError(f"the scheduler steps on {monitor}, which evaluation does not report (it reports "
-                          f"{', '.join(reported)}); set its monitor to one of those")
-
-
-def _check_combinations(settings: TrainerConfig, placement: Placement, dataset_size: int | None) -> None:
-    """Settings that each work, and together cannot.
-
-    Raises:
-        ConfigError: reduce_scatter with shards that are not equal slices; sync_batchnorm with a
-            last micro-batch too small for every worker.
-    """
-    workers = placement.global_workers
-    if settings.shards != "elements" and placement.workers > 1 and settings.reduce == "reduce_scatter":
-        raise ConfigError(f"reduce=reduce_scatter needs elementwise shards (equal slices), and this run's are "
-                          f"shards={settings.shards}; use reduce=all_reduce")
-    if settings.sync_batchnorm and not settings.drop_last and dataset_size is not None:
-        rest = dataset_size % (settings.batch_size * settings.accumulate) % settings.batch_size
-        if 0 < rest < workers:
-            raise ConfigError(f"sync_batchnorm with drop_last=false: the last micro-batch of an epoch has "
-                              f"{rest} samples, fewer than the {workers} workers, and every worker must take "
-                              "part in each batch norm; set drop_last=true or change batch_size")
+    return named
 
 
 def _say_compression(settings: TrainerConfig, phases: list[PhaseSpec], layout: FlatLayout) -> None:
@@ -571,30 +394,3 @@ def _say_compression(settings: TrainerConfig, phases: list[PhaseSpec], layout: F
         raise ConfigError(f"compress={settings.compress} keeps one error feedback per shard, and this run updates "
                           f"{len(phases)} optimizers in turn (phases); use compress=none")
     log.warning("%s", compression.describe(layout, settings.compress_rank, settings.compress_after))
-
-
-def _check_gathered(phases: list[PhaseSpec], findings: preflight.Findings, settings: TrainerConfig,
-                    placement: Placement, dataset_size: int | None) -> None:
-    """Where sn_trainer.gather is called, what keeps it exact: one node, every worker a sample of
-    every micro-batch, and no evaluation split over workers.
-
-    Raises:
-        ConfigError: a gathered loss across nodes, or with a last micro-batch too small for every
-            worker; a gather in evaluation with several workers.
-    """
-    workers = placement.global_workers
-    if findings.eval_gathers and workers > 1:
-        raise ConfigError(f"evaluation calls sn_trainer.gather (in step_fn or metric_fn), and with {workers} workers "
-                          "each evaluates its own chunks of the evaluation set, so a loss over the global batch has "
-                          "no exact evaluation: leave eval_set out, or evaluate with workers=1")
-    if not any(phase.objective.form == GATHERED for phase in phases):
-        return
-    if placement.nodes > 1:
-        raise ConfigError(f"step_fn calls sn_trainer.gather, which gathers the workers of one node, and this run has "
-                          f"{placement.nodes} nodes: train it on one node")
-    if not settings.drop_last and dataset_size is not None:
-        rest = dataset_size % (settings.batch_size * settings.accumulate) % settings.batch_size
-        if 0 < rest < workers:
-            raise ConfigError(f"step_fn calls sn_trainer.gather, and with drop_last=false the last micro-batch of an "
-                              f"epoch has {rest} samples, fewer than the {workers} workers: every worker takes part "
-                              "in each gather with a slice of its own; set drop_last=true or change batch_size")
