@@ -6,11 +6,12 @@ machine with more processes than cores, the peer it waits for may need that very
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: not the _PRIVATE forms
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The C library this process already has loaded: find_library("c") would run ldconfig in a
+# subprocess, at every import of the shared-memory core.
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
