@@ -30,7 +30,7 @@ from ..engine.processes.signals import StopFlags, graceful_stop
 from ..engine.step.batchnorm import max_channels
 from ..engine.step.board import Board
 from ..engine.step.objective import GATHERED
-from ..engine.step.replica import Launch, WorkerSpec
+from ..engine.step.worker_spec import Launch, WorkerSpec
 from ..engine.worker import run_worker
 from ..errors import TrainingInterrupted, WorkerFailed
 from . import membership
