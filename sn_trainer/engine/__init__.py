@@ -39,8 +39,8 @@ FACE = {
     # what crosses between the launcher and its workers
     "WorkerPickler": "processes.pickling:WorkerPickler",
     "unpack": "processes.pickling:unpack",
-    "Launch": "step.replica:Launch",
-    "WorkerSpec": "step.replica:WorkerSpec",
+    "Launch": "step.worker_spec:Launch",
+    "WorkerSpec": "step.worker_spec:WorkerSpec",
     "Board": "step.board:Board",
     # memory: shared parameters, optimizer state by shard, peak memory
     "SharedParams": "memory.shared:SharedParams",

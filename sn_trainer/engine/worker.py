@@ -13,7 +13,8 @@ from ..data import random_state
 from .events import CheckpointPart, Evaluation, Progress, WorkerResult
 from .memory.peak import pss_bytes
 from .processes.stages import STEP_STAGES, StageTimer
-from .step.replica import Replica, WorkerSpec
+from .step.replica import Replica
+from .step.worker_spec import WorkerSpec
 
 
 def pin_and_set_threads(cpus: tuple[int, ...], threads: int) -> None:
@@ -72,7 +73,7 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
     replica = Replica(spec)
     try:
         if plan.evaluate_only:
-            return WorkerResult(replica.reducer.name, replica.evaluate(lambda stage: None))
+            return WorkerResult(replica.reducer.name, replica.evaluator.evaluate(lambda stage: None))
         return train(replica, send)
     finally:
         replica.close()
@@ -190,23 +191,24 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
                                     awaited))
             if awaited:
                 with meter.timer("wait"):
-                    stopping = replica.agree_on_stop(done)
+                    stopping = replica.stop_agreement.after_event(done)
         evaluated = None
         # A stop is a state the uninterrupted run passes through too: an evaluation due at its step
         # is made; and where a callback ends the run, the model it returns is evaluated at its end.
         if due or (stopping and plan.evaluates and launch.stop.ends_run()):
             started = time.perf_counter()
-            eval_metrics = evaluated = replica.evaluate(beat)
+            eval_metrics = evaluated = replica.evaluator.evaluate(beat)
             if reporting:
                 beat("sync")
                 send(Evaluation(done, done / plan.steps_per_epoch, eval_metrics))
-            stopping = replica.agree_on_stop(done)  # what the callbacks decide applies to this step
+            stopping = replica.stop_agreement.after_event(done)  # what the callbacks decide applies to this step
             meter.evaluated(time.perf_counter() - started)
         replica.scheduled_points(done, evaluated)
-        replica.keep_compression(done)  # on every node, where due: the leader's checkpoint holds each node's
+        # On every node, where due: the leader's checkpoint holds each node's.
+        replica.checkpoint_share.keep_compression(done)
         if plan.checkpointing and (stopping or plan.checkpoint_due(done) or launch.stop.saves_at(done)):
             beat("checkpoint")
-            send(CheckpointPart(replica.rank, done, replica.state_part(done)))
+            send(CheckpointPart(replica.rank, done, replica.checkpoint_share.part(done)))
         if stopping:
             stopped_at = done
             break

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -94,6 +95,26 @@ class StopFlags:
         self._flags[_ACKNOWLEDGED] = 0
         self._flags[_SAVE_AT] = 0
         self._flags[_ASKED_STOP] = 0
+
+
+class StopAgreement:
+    """A worker's side of the stop decision made after an event the launcher's callbacks act on."""
+
+    def __init__(self, flags: StopFlags, rank: int, barrier: Callable[[], None]):
+        self.flags, self.rank, self.barrier = flags, rank, barrier
+        self._awaited_sent = 0  # worker 0: the events it sent in this launch that it waits on the launcher for
+
+    def after_event(self, step_done: int) -> bool:
+        """After an event worker 0 sent for the launcher's callbacks to act on (an evaluation, an
+        awaited progress record): worker 0 waits until the launcher has handed it to them and
+        decides whether the run stops after this step (a callback may have asked); every worker
+        reads the same decision, returned."""
+        if self.rank == 0:
+            self._awaited_sent += 1
+            self.flags.wait_for_acknowledgement(self._awaited_sent)
+            self.flags.decide(step_done)
+        self.barrier()
+        return self.flags.stops_after(step_done)
 
 
 def stop_on_signals(flags: StopFlags) -> None:
