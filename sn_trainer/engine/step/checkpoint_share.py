@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...data import random_state
-from ..collectives.comm import Reducer
+from ..collectives.reducer import Reducer
 from ...recipe.flat_layout import tied_aliases
 from ..processes.pickling import pack
 from .phases import WorkerPhase

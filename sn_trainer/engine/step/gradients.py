@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..collectives.comm import Reducer
+from ..collectives.reducer import Reducer
 from ..memory.shared import ReplicaBuffers
 from ..processes.stages import StageTimer
 from ...recipe import position

@@ -2,7 +2,9 @@
 over it, its shard compressed between nodes where the plan says (compress=powersgd)."""
 from __future__ import annotations
 
-from ..collectives.comm import CrossNodeReducer, Reducer, ReducerSetup, make_reducer
+from ..collectives.over_gloo import CrossNodeReducer
+from ..collectives.reducer import Reducer, ReducerSetup
+from ..collectives.registry import make_reducer
 from ..collectives.compression import PowerSGD, shard_compression
 from .worker_spec import WorkerSpec
 

@@ -13,7 +13,7 @@ from ...data import random_state
 from ...data.feed import Feed
 from ...data.source import different_orders
 from ...errors import DataError
-from ..collectives.comm import Reducer
+from ..collectives.reducer import Reducer
 from ..memory.shared import ReplicaBuffers
 from ..processes.signals import StopAgreement
 from ..processes.stages import StageTimer
