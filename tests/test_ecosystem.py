@@ -117,6 +117,8 @@ def test_the_slurm_preset_asks_for_whole_nodes(tmp_path, monkeypatch):
 
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
+    from sn_trainer.cli import hydra_settings  # noqa: F401 - every setting's default, as the command line registers it
+
     monkeypatch.setenv("PATH", fake_slurm_commands(tmp_path / "bin")["PATH"])
     with initialize_config_dir(config_dir=str(Path(sn_trainer.__file__).with_name("conf")), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm_node", "hydra.launcher.partition=cpu",
