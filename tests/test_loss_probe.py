@@ -469,3 +469,23 @@ def test_a_detector_with_split_like_ddp_trains_as_torchs_ddp(tmp_path):
     reference = detector()
     reference.load_state_dict(torch.load(out))
     assert_exact(model, reference)
+
+
+@pytest.mark.unit
+def test_a_settled_objective_is_frozen_and_the_one_given_stays_as_built():
+    """What the rehearsal finds (the loss's form, evaluation's keys) is set once, on a copy the
+    workers receive; after that no stage can change it, in this process or a worker's."""
+    import pickle
+
+    from sn_trainer.recipe.objective import MEAN, SUM
+
+    given = Objective(nn.MSELoss())
+    settled = given.settled(form=SUM, eval_keys=("loss",))
+    assert (settled.form, settled.eval_keys) == (SUM, ("loss",)) and (given.form, given.eval_keys) == (MEAN, ())
+    for frozen in (settled, pickle.loads(pickle.dumps(settled)), copy.copy(settled)):
+        with pytest.raises(AttributeError, match="frozen"):
+            frozen.form = MEAN
+        assert frozen.form == SUM
+    given.form = SUM  # the one given, as the rehearsal's copy, is still the user's to change
+    with pytest.raises(TypeError, match="settles form, eval_keys, metric_templates, not loss_fn"):
+        given.settled(loss_fn=None)

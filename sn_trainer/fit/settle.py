@@ -2,7 +2,6 @@
 reports and merges, and why a run that splits its batches trains like DDP."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from typing import Any
@@ -74,9 +73,9 @@ def objectives(objective: Objective, phases: list[PhaseSpec], findings: prefligh
     for phase, found in zip(phases, findings.phases):
         forms.append(_loss_form(found.loss, phase.objective, splits, split))
         check_monitor(found.schedule_monitor, findings.eval_keys, evaluation)
-    first = _settled(objective, eval_keys=findings.eval_keys, form=forms[0],
-                     metric_templates=_metric_templates(findings, global_workers))
-    settled = [first] + [_settled(phase.objective, form=form) for phase, form in zip(phases[1:], forms[1:])]
+    first = objective.settled(eval_keys=findings.eval_keys, form=forms[0],
+                              metric_templates=_metric_templates(findings, global_workers))
+    settled = [first] + [phase.objective.settled(form=form) for phase, form in zip(phases[1:], forms[1:])]
     return first, [dataclasses.replace(phase, objective=own) for phase, own in zip(phases, settled)]
 
 
@@ -87,18 +86,11 @@ def evaluation_objective(objective: Objective, findings: preflight.Findings, glo
     Raises:
         ConfigError: a metric that cannot be merged.
     """
-    return _settled(objective, eval_keys=findings.eval_keys,
-                    metric_templates=_metric_templates(findings, global_workers),
-                    form=findings.loss.form or MEAN)  # evaluation weighs chunks by samples, as a plain loop does
+    return objective.settled(eval_keys=findings.eval_keys,
+                             metric_templates=_metric_templates(findings, global_workers),
+                             form=findings.loss.form or MEAN)  # evaluation weighs chunks by samples, as a plain loop does
 
 
-def _settled(objective: Objective, **fixed: Any) -> Objective:
-    """A copy of ``objective`` with what the rehearsal fixed (``form``, ``eval_keys``,
-    ``metric_templates``): every worker receives it so; the one given stays as built."""
-    settled = copy.copy(objective)
-    for name, value in fixed.items():
-        setattr(settled, name, value)
-    return settled
 
 
 def like_ddp(model: nn.Module, phases: list[PhaseSpec], findings: preflight.Findings,

@@ -14,6 +14,7 @@ Hugging Face model's mean over kept tokens, which the model sums when it is call
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -94,6 +95,25 @@ class Objective:
         # Of those, the torchmetrics Metrics, each as built (fixed by the preflight): what a worker
         # that evaluates nothing merges, and what says which states every worker gathers.
         self.metric_templates: dict[str, Any] = {}
+
+    SETTLED = ("form", "eval_keys", "metric_templates")  # what the rehearsal finds out, before workers start
+
+    def settled(self, **found: Any) -> Objective:
+        """A copy with what the rehearsal found (``form``, ``eval_keys``, ``metric_templates``),
+        frozen: every worker receives it so, and no stage after the rehearsal can change it. The
+        objective it was made from stays as it is."""
+        unknown = sorted(set(found) - set(self.SETTLED))
+        if unknown:
+            raise TypeError(f"an objective settles {', '.join(self.SETTLED)}, not {', '.join(unknown)}")
+        settled = copy.copy(self)
+        settled.__dict__.update(found, _frozen=True)
+        return settled
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"this objective was settled by the rehearsal and is frozen: {name} stays as found; "
+                                 "settle a new copy with Objective.settled(...)")
+        object.__setattr__(self, name, value)
 
     @property
     def what(self) -> str:
