@@ -74,7 +74,7 @@ def test_compile_auto_follows_what_tuning_measured(tmp_path, monkeypatch, caplog
                               tuner.Calibration({1: (0.0, 1e-3)}, 0.0, 0.0), 1.0, compile_rates=rates)
     tuner.store(tuner.cache_key(model, 8, 1, "fp32"), result)
     with caplog.at_level(logging.INFO, logger="sn_trainer"):
-        assert decide.for_model(trainer.settings, model).compile is chosen
+        assert decide.for_model(trainer.settings, model)[0].compile is chosen
     assert ("compile=auto: compiled" if chosen else "compile=auto: eager") in caplog.text
 
 

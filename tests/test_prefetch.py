@@ -197,4 +197,8 @@ def test_prefetch_auto_reads_ahead_beside_one_thread_that_draws_nothing_global(t
     from sn_trainer.fit.decide import for_reading
 
     settings = TrainerConfig(workers=workers, threads=threads, prefetch=prefetch)
-    assert for_reading(settings, draws_random, global_workers=workers).prefetch is decided
+    decided_settings, decisions = for_reading(settings, draws_random, global_workers=workers)
+    assert decided_settings.prefetch is decided
+    # prefetch=auto is a decision with its reason (in the log and summary.json); a value given is none.
+    assert [(d.setting, d.value) for d in decisions] == ([("prefetch", decided)] if prefetch == "auto" else [])
+    assert all(d.why.startswith(f"prefetch=auto: {'on' if decided else 'off'}, as ") for d in decisions)

@@ -159,4 +159,11 @@ def test_workers_and_threads_fill_the_usable_cores(workers, threads, quota, tune
     from sn_trainer.fit.decide import workers_and_threads
 
     topology = Topology(tuple(PhysicalCore(0, core, 0, (core,)) for core in range(16)), cpu_quota=quota)
-    assert workers_and_threads(TrainerConfig(workers=workers, threads=threads), topology, tuned) == expected
+    got_workers, got_threads, decided = workers_and_threads(TrainerConfig(workers=workers, threads=threads),
+                                                            topology, tuned)
+    assert (got_workers, got_threads) == expected
+    # Each auto comes with its reason, naming the setting; a setting given is no decision.
+    autos = [name for name, value in (("workers", workers), ("threads", threads)) if value == "auto"]
+    assert [(d.setting, d.value) for d in decided] == [(name, dict(zip(("workers", "threads"), expected))[name])
+                                                       for name in autos]
+    assert all(d.why.startswith(f"{d.setting}=auto: ") for d in decided)

@@ -12,13 +12,25 @@ from ..node.runtime import Runtime
 
 
 @dataclass(frozen=True)
+class Decision:
+    """One setting decided for this run (an ``auto``, or one asked for that could not be had
+    here): the value it runs with, and why."""
+
+    setting: str
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where this node's workers run: what the machine (and torchrun) gave for the settings."""
+    """Where this node's workers run: what the machine (and torchrun) gave for the settings, and
+    every decision made for the run (``sn_trainer.fit.decide`` makes them all), with its reason."""
 
     pinning: tuple[tuple[int, ...], ...]  # each worker's logical CPUs: one entry per worker of this node
     nodes: int
     node_rank: int
     notes: tuple[str, ...]  # what was asked for but could not be had here, and what ran instead
+    decisions: tuple[Decision, ...] = ()
 
     @property
     def workers(self) -> int:
@@ -137,7 +149,17 @@ class Plan:
                 "phases": [{"name": name, "loss_form": form} for name, form in self.phase_forms],
                 "per_worker_batch": self.per_worker_batch, "data": data, "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps, "start_step": self.start_step, "notes": list(p.notes),
-                "compression": self.compression, "exactness": exactness or self.exactness}
+                "compression": self.compression, "exactness": exactness or self.exactness,
+                "decisions": self.decisions(comm_used)}
+
+    def decisions(self, comm_used: str | None = None) -> dict[str, dict[str, Any]]:
+        """Every setting decided for the run, ``{setting: {"value": ..., "why": ...}}``; comm=auto as
+        the workers decided it at start-up, where ``comm_used`` says what they chose."""
+        decided = {d.setting: {"value": d.value, "why": d.why} for d in self.placement.decisions}
+        if self.settings.comm == "auto" and comm_used and comm_used != "auto":
+            decided["comm"] = {"value": comm_used, "why": "comm=auto: the workers timed each reducer's sum and barrier "
+                                                          "at start-up and took the fastest"}
+        return decided
 
     @property
     def splits(self) -> bool:

@@ -20,7 +20,7 @@ from ..data import random_state
 from ..data.sampler import slice_bounds, steps_per_epoch
 from ..data.source import Source, make_source
 from ..engine import PhaseSpec, compression, run_workers
-from ..engine.plan import Placement, Plan
+from ..engine.plan import Decision, Placement, Plan
 from ..errors import ConfigError, UserCodeError
 from ..node.cluster import Cluster
 from ..node.runtime import Runtime
@@ -109,11 +109,12 @@ def resolve_fit(given: FitInputs, settings: TrainerConfig, placement: Placement,
     train, evaluation = _sources(given, settings, objective)
     per_epoch, total_steps = steps_of(settings, train)
     phases = _checked(given, objective, train, evaluation, settings, placement, total_steps)
-    settings, findings, draws_random = _rehearsed(given.model, train, evaluation, objective, phases, settings,
-                                                  placement, splits)
+    settings, findings, draws_random, decided = _rehearsed(given.model, train, evaluation, objective, phases,
+                                                           settings, placement, splits)
     objective, phases = settle.objectives(objective, phases, findings, splits, evaluation, placement.global_workers,
                                           settings.split)
-    settings, unproven = _decided(settings, placement, phases, findings, train.size)
+    settings, unproven, sharding = _decided(settings, placement, phases, findings, train.size)
+    placement = dataclasses.replace(placement, decisions=(*placement.decisions, *decided, *sharding))
     checkpoints, resume_from = _located(given.model, settings, placement, cluster, train.size, total_steps)
     like_ddp = settle.like_ddp(given.model, phases, findings, draws_random, settings) if splits else ()
     plan = Plan(settings=settings, placement=placement, dataset_size=train.size, steps_per_epoch=per_epoch,
@@ -152,38 +153,38 @@ def _checked(given: FitInputs, objective: Objective, train: Source, evaluation: 
 
 def _rehearsed(model: nn.Module, train: Source, evaluation: Source | None, objective: Objective,
                phases: list[PhaseSpec], settings: TrainerConfig, placement: Placement, splits: bool
-               ) -> tuple[TrainerConfig, preflight.Findings, bool]:
+               ) -> tuple[TrainerConfig, preflight.Findings, bool, list[Decision]]:
     """The user's code rehearsed on one micro-batch, with the settings it needs decided first (the
     model's layout and compile, then how the training set is read), and ignored labels looked for
-    where the run splits its batches: the settings so far, the findings, and whether reading the
-    training set draws from the global random generators.
+    where the run splits its batches: the settings so far, the findings, whether reading the
+    training set draws from the global random generators, and the decisions made.
 
     Raises:
         ConfigError, UserCodeError: before any worker starts.
     """
-    settings = decide.for_model(settings, model)
+    settings, decided = decide.for_model(settings, model)
     rehearsal = preflight.prepare(model, train, slice_bounds(settings.batch_size, placement.global_workers, 0)[1],
                                   evaluation, settings.eval_batch_size, objective, phases, settings, splits)
-    settings = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators,
-                                  global_workers=placement.global_workers)
+    settings, reading = decide.for_reading(settings, rehearsal.data_draws_random, rehearsal.data_sets_generators,
+                                           global_workers=placement.global_workers)
     findings = rehearse(rehearsal, settings)
     if splits:
         findings = settle.labels_seen(findings, train, rehearsal.probe_group, settings, rehearsal.train_samples)
-    return settings, findings, rehearsal.data_draws_random
+    return settings, findings, rehearsal.data_draws_random, decided + reading
 
 
 def _decided(settings: TrainerConfig, placement: Placement, phases: list[PhaseSpec], findings: preflight.Findings,
-             dataset_size: int | None) -> tuple[TrainerConfig, tuple[str, ...]]:
+             dataset_size: int | None) -> tuple[TrainerConfig, tuple[str, ...], list[Decision]]:
     """The settings with the shards decided for the optimizers the rehearsal built, and checked
-    together; and why a shard kind set by hand is unproven for an optimizer.
+    together; why a shard kind set by hand is unproven for an optimizer; the decision for auto.
 
     Raises:
         ConfigError: an optimizer sn_trainer cannot run, or settings that cannot work together.
     """
-    settings, unproven = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
+    settings, unproven, decided = decide.for_optimizers(settings, [f.optimizer_class for f in findings.phases])
     checks.check_combinations(settings, placement, dataset_size)
     checks.check_gathered(phases, findings, settings, placement, dataset_size)
-    return settings, unproven
+    return settings, unproven, decided
 
 
 def _located(model: nn.Module, settings: TrainerConfig, placement: Placement, cluster: Cluster | None,
@@ -214,7 +215,8 @@ def resolve_evaluation(given: FitInputs, settings: TrainerConfig, placement: Pla
     if placement.global_workers > 1:
         checks.check_one_order(evaluation, settings.eval_batch_size * placement.global_workers, settings.seed)
     checks.check_sendable(_sent(given, objective, []))
-    settings = decide.for_model(settings, given.model)
+    settings, decided = decide.for_model(settings, given.model)
+    placement = dataclasses.replace(placement, decisions=(*placement.decisions, *decided))
     findings = rehearse(preflight.prepare(given.model, None, 0, evaluation, settings.eval_batch_size, objective, [],
                                           settings), settings)
     objective = settle.evaluation_objective(objective, findings, placement.global_workers)
