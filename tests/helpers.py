@@ -267,7 +267,7 @@ def probe_replica(spec, send):
 
     replica = Replica(spec)
     params = list(replica.model.parameters())
-    flat_pointer = spec.launch.flat.untyped_storage().data_ptr()
+    flat_pointer = spec.shared.flat.untyped_storage().data_ptr()
     report = {
         "storages": sorted({p.untyped_storage().data_ptr() for p in params}) == [flat_pointer],
         "all_shared": all(p.is_shared() for p in params),

@@ -39,7 +39,7 @@ FACE = {
     # what crosses between the launcher and its workers
     "WorkerPickler": "processes.pickling:WorkerPickler",
     "unpack": "processes.pickling:unpack",
-    "Launch": "step.worker_spec:Launch",
+    "Shared": "step.worker_spec:Shared",
     "WorkerSpec": "step.worker_spec:WorkerSpec",
     "Board": "step.board:Board",
     # memory: shared parameters, optimizer state by shard, peak memory

@@ -66,8 +66,8 @@ def _run_queue_seconds() -> float:
 
 def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
     """The worker's whole life: set up, train (and/or evaluate), return what it measured."""
-    plan = spec.launch.plan
-    spec.launch.heartbeats.beat(spec.rank, plan.start_step, "setup")
+    plan = spec.shared.plan
+    spec.shared.heartbeats.beat(spec.rank, plan.start_step, "setup")
     pin_and_set_threads(plan.placement.pinning[spec.rank], plan.settings.threads)
     random_state.seed(plan.settings.seed * 1000 + plan.placement.node_rank * plan.workers + spec.rank)
     replica = Replica(spec)
@@ -159,11 +159,11 @@ class Meter:
 
 def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
     """The training loop. Every worker runs it in lockstep; rank 0 also reports progress."""
-    plan, launch, reporting = replica.plan, replica.launch, replica.rank == 0
+    plan, shared, reporting = replica.plan, replica.shared, replica.rank == 0
     step = plan.start_step
 
     def beat(stage: str) -> None:
-        launch.heartbeats.beat(replica.rank, step, stage)
+        shared.heartbeats.beat(replica.rank, step, stage)
 
     meter = Meter(replica, beat)
     profiler = Profiler(plan.settings.profile_dir, meter.measure_from, plan.settings.profile_steps, replica.rank)
@@ -181,7 +181,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
                 diverged_at = done
                 break
             skipped += 1
-        stopping = launch.stop.stops_after(done)  # a signal (or a callback) asked, and worker 0 decided
+        stopping = shared.stop.stops_after(done)  # a signal (or a callback) asked, and worker 0 decided
         due = plan.evaluates_after(done)
         if plan.logs_after(done):
             # Awaited where a callback may act on it: what it asks then applies to this very step.
@@ -195,7 +195,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
         evaluated = None
         # A stop is a state the uninterrupted run passes through too: an evaluation due at its step
         # is made; and where a callback ends the run, the model it returns is evaluated at its end.
-        if due or (stopping and plan.evaluates and launch.stop.ends_run()):
+        if due or (stopping and plan.evaluates and shared.stop.ends_run()):
             started = time.perf_counter()
             eval_metrics = evaluated = replica.evaluator.evaluate(beat)
             if reporting:
@@ -206,7 +206,7 @@ def train(replica: Replica, send: Callable[[Any], None]) -> WorkerResult:
         replica.scheduled_points(done, evaluated)
         # On every node, where due: the leader's checkpoint holds each node's.
         replica.checkpoint_share.keep_compression(done)
-        if plan.checkpointing and (stopping or plan.checkpoint_due(done) or launch.stop.saves_at(done)):
+        if plan.checkpointing and (stopping or plan.checkpoint_due(done) or shared.stop.saves_at(done)):
             beat("checkpoint")
             send(CheckpointPart(replica.rank, done, replica.checkpoint_share.part(done)))
         if stopping:

@@ -19,7 +19,7 @@ import torch
 from ..callbacks import Callback, Callbacks
 from ..checkpoint.resume import Resumed, resume
 from ..checkpoint.writer import CheckpointWriter
-from ..engine import (REDUCERS, Board, Heartbeats, Launch, PeakMemory, SharedParams, StopFlags, Watchdog, WorkerSpec,
+from ..engine import (REDUCERS, Board, Heartbeats, PeakMemory, Shared, SharedParams, StopFlags, Watchdog, WorkerSpec,
                       auto_candidates, buffer_count, graceful_stop, max_channels, run_workers)
 from ..engine.events import WorkerResult
 from ..node.cluster import Cluster
@@ -172,12 +172,12 @@ def launch_workers(run: Run, plan: Plan, stop: StopFlags, cluster: Cluster | Non
             if source is not None:
                 source.share_memory()
         heartbeats = Heartbeats.allocate(plan.workers)
-        shares = Launch(plan=plan, model=run.model, layout=run.layout, flat=shared.flat, train=run.train,
+        shares = Shared(plan=plan, model=run.model, layout=run.layout, flat=shared.flat, train=run.train,
                         evaluation=run.evaluation, objective=run.objective, phases=run.phases,
                         board=Board.allocate(plan.workers, len(run.layout.slots), buffer_count(run.model)),
                         stop=stop, heartbeats=heartbeats, reducers=reducers,
                         ema=shared.ema, **verification_shares(run, plan, shared.flat.dtype))
-        specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", launch=shares,
+        specs = [WorkerSpec(rank=r, store_path=f"{rendezvous}/store", shared=shares,
                             share=resumed.shares[r] if resumed else None, cluster=cluster) for r in range(plan.workers)]
         peak = PeakMemory()
         results = run_workers(target, specs, on_message=deliver, stop=stop, where=f"node {cluster.node_rank} " if cluster

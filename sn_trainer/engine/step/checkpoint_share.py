@@ -16,8 +16,8 @@ class CheckpointShare:
     """This worker's share of each checkpoint, and what it keeps for one between steps."""
 
     def __init__(self, spec: WorkerSpec, phases: list[WorkerPhase], reducer: Reducer):
-        self.launch, self.plan, self.rank, self.cluster = spec.launch, spec.launch.plan, spec.rank, spec.cluster
-        self.model, self.layout = spec.launch.model, spec.launch.layout
+        self.shared, self.plan, self.rank, self.cluster = spec.shared, spec.shared.plan, spec.rank, spec.cluster
+        self.model, self.layout = spec.shared.model, spec.shared.layout
         self.phases, self.reducer = phases, reducer
         self._compression_state: tuple[int, dict] | None = None  # compress=powersgd: (step, every node's state)
 
@@ -41,7 +41,7 @@ class CheckpointShare:
         if self.rank == 0:
             part["model"] = {k: v.detach().clone(memory_format=torch.contiguous_format)
                              for k, v in self.model.state_dict().items()}
-            part["ema"] = self.layout.by_name(self.launch.ema) if self.launch.ema is not None else None
+            part["ema"] = self.layout.by_name(self.shared.ema) if self.shared.ema is not None else None
             part["aliases"] = tied_aliases(self.model)
-            part["stream"] = self.launch.train.position(step_done) if self.launch.train is not None else None
+            part["stream"] = self.shared.train.position(step_done) if self.shared.train is not None else None
         return pack(part)

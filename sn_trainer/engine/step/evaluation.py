@@ -45,24 +45,24 @@ class Evaluator:
                  global_sum: Callable[[torch.Tensor], torch.Tensor]):
         """``runner``: what forward passes call; ``global_sum``: a small tensor summed over every worker
         of every node, in place."""
-        launch = spec.launch
-        self.launch, self.plan, self.rank = launch, launch.plan, spec.rank
-        self.global_rank, self.global_workers = spec.global_rank, launch.plan.placement.global_workers
-        self.model, self.layout, self.objective = launch.model, launch.layout, launch.objective
-        self.runner, self.precision, self.dtype = runner, precision, launch.flat.dtype
+        shared = spec.shared
+        self.shared, self.plan, self.rank = shared, shared.plan, spec.rank
+        self.global_rank, self.global_workers = spec.global_rank, shared.plan.placement.global_workers
+        self.model, self.layout, self.objective = shared.model, shared.layout, shared.objective
+        self.runner, self.precision, self.dtype = runner, precision, shared.flat.dtype
         self.buffers, self.global_sum = buffers, global_sum
 
     def evaluate(self, beat: Callable[[str], None]) -> dict[str, Any]:
         """``eval_*`` of the weights, and, with ema_decay, ``eval_ema_*`` of their moving average
         (the model's parameters pointed at it for the while)."""
         metrics = self.evaluate_weights(beat)
-        if self.launch.ema is None or "eval_error" in metrics:
+        if self.shared.ema is None or "eval_error" in metrics:
             return metrics
-        self.layout.bind(self.model, self.launch.ema)
+        self.layout.bind(self.model, self.shared.ema)
         try:
             averaged = self.evaluate_weights(beat)
         finally:
-            self.layout.bind(self.model, self.launch.flat)
+            self.layout.bind(self.model, self.shared.flat)
         if "eval_error" in averaged:
             return {**metrics, "eval_error": averaged["eval_error"]}
         return {**metrics, **{f"eval_ema_{k[5:]}": v for k, v in averaged.items() if k != "eval_samples"}}
@@ -87,7 +87,7 @@ class Evaluator:
         computed: dict[str, float] = {}
         beat("sync")
         # Each worker digests all it read of the set, its peers' chunks too: equal where all read one order.
-        digest = self.launch.evaluation.eval_digest() if error is None else None
+        digest = self.shared.evaluation.eval_digest() if error is None else None
         summed = self.global_sum(torch.cat([sums, digest_terms(digest)]))
         sums, read = summed[: len(sums)], summed[len(sums) :]
         same_items = one_digest(read)
@@ -125,7 +125,7 @@ class Evaluator:
             "workers a loss over the global batch has no exact evaluation; evaluate with workers=1")
         try:
             settings = self.plan.settings
-            chunks = self.launch.evaluation.eval_chunks(self.global_rank, self.global_workers,
+            chunks = self.shared.evaluation.eval_chunks(self.global_rank, self.global_workers,
                                                         settings.eval_batch_size, settings.max_eval_batches)
             for index, (batch, samples) in enumerate(chunks):
                 beat("eval")

@@ -17,18 +17,18 @@ from .board import Reached, StepTotals
 from ...recipe.gather import Gathering, Refusing, StepGathering, gathering
 from ...recipe.objective import GATHERED, Objective, Precision
 from .phases import WorkerPhase
-from .worker_spec import Launch
+from .worker_spec import Shared
 
 
 class Gradients:
     """This worker's part of each phase's gradient sum, and the totals every worker reads after it."""
 
-    def __init__(self, launch: Launch, rank: int, runner: nn.Module, precision: Precision, reducer: Reducer,
+    def __init__(self, shared: Shared, rank: int, runner: nn.Module, precision: Precision, reducer: Reducer,
                  reached: Reached, buffers: ReplicaBuffers, across_nodes: bool):
         """``runner``: what forward passes call; ``reached``: the gradients' versions, read after the
         backward passes; ``across_nodes``: the totals are summed over the nodes too."""
-        self.launch, self.plan, self.rank = launch, launch.plan, rank
-        self.runner, self.precision, self.dtype = runner, precision, launch.flat.dtype
+        self.shared, self.plan, self.rank = shared, shared.plan, rank
+        self.runner, self.precision, self.dtype = runner, precision, shared.flat.dtype
         self.reducer, self.reached, self.buffers, self.across_nodes = reducer, reached, buffers, across_nodes
         self._refusing: dict[int, Refusing] = {}  # by id of the objective (each phase's lives as long as the run)
 
@@ -42,7 +42,7 @@ class Gradients:
         self.reducer.grad_flat.zero_()
         self.reached.start()
         loss_sum = count = 0.0
-        step = round_ // len(self.launch.phases)
+        step = round_ // len(self.shared.phases)
         for micro, (batch, samples) in enumerate(micro_batches):
             if samples == 0:
                 continue  # the short last step of an epoch (drop_last=false): nothing here for this worker
@@ -56,7 +56,7 @@ class Gradients:
             count += micro_count
         with timer("reduce"):
             changed = self.buffers.changed() if self.rank == 0 else None
-            self.launch.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(),
+            self.shared.board.publish(round_, self.rank, loss_sum, count, self.reducer.local_sum(),
                                       self.reached.flags(), changed, digest)
             self.reducer.reduce()
             totals = self.step_totals(round_, phase.objective)
@@ -79,14 +79,14 @@ class Gradients:
 
     def _waiting_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
         """``sum_in_node`` inside a step function (a gather): its wait for the peers is a wait."""
-        with self.launch.heartbeats.waiting(self.rank):
+        with self.shared.heartbeats.waiting(self.rank):
             return self.reducer.sum_in_node(tensor)
 
     def step_totals(self, round_: int, objective: Objective) -> StepTotals:
-        totals = self.launch.board.totals(round_)
+        totals = self.shared.board.totals(round_)
         if self.across_nodes:  # add the other nodes' losses, counts, checks and use counts
             totals = self.reducer.sum_across_nodes(totals)
-        totals = self.launch.board.read(totals)
+        totals = self.shared.board.read(totals)
         if objective.divides and totals.count <= 0:  # 0 / 0, as plain PyTorch's mean gives
             return dataclasses.replace(totals, loss_sum=math.nan, finite=False)
         return totals

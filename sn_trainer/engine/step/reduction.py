@@ -11,15 +11,15 @@ from .worker_spec import WorkerSpec
 
 def worker_reducer(spec: WorkerSpec) -> Reducer:
     """The reducer the plan names (comm=auto: the fastest here), and across nodes gloo over it."""
-    launch = spec.launch
-    plan, layout = launch.plan, launch.layout
+    shared = spec.shared
+    plan, layout = shared.plan, shared.layout
     settings = plan.settings
     # gloo's own timeout is a backstop behind the launcher's watchdog, which names the worker
     # that stopped (gloo would name one of those left waiting for it).
     backstop = 2 * settings.worker_timeout + 30
     setup = ReducerSetup(spec.rank, plan.workers, layout.shards[spec.rank], layout.padded_numel,
-                         launch.flat.dtype, spec.store_path, settings.reduce, backstop)
-    reducer = make_reducer(settings.comm, setup, launch.reducers)
+                         shared.flat.dtype, spec.store_path, settings.reduce, backstop)
+    reducer = make_reducer(settings.comm, setup, shared.reducers)
     if spec.cluster is None:
         return reducer
     return CrossNodeReducer(reducer, spec.cluster.store(f"shard{spec.rank}"), spec.cluster.node_rank,
@@ -28,13 +28,13 @@ def worker_reducer(spec: WorkerSpec) -> Reducer:
 
 def _compressor(spec: WorkerSpec) -> PowerSGD | None:
     """compress=powersgd: this worker's exchange of its shard between nodes (None: sent whole)."""
-    settings = spec.launch.plan.settings
+    settings = spec.shared.plan.settings
     if settings.compress == "none":
         return None
     rank = spec.rank
-    plan = shard_compression(spec.launch.layout, rank, settings.compress_rank)
+    plan = shard_compression(spec.shared.layout, rank, settings.compress_rank)
     compressor = PowerSGD(plan, settings.compress_rank, settings.compress_after,
-                          seed=settings.seed * 1_000_003 + rank, steps_done=spec.launch.plan.start_step)
+                          seed=settings.seed * 1_000_003 + rank, steps_done=spec.shared.plan.start_step)
     saved = (spec.share or {}).get("compress")
     if saved is not None:
         compressor.load_state(saved, spec.cluster.node_rank, spec.cluster.nodes)

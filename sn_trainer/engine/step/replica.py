@@ -34,15 +34,15 @@ class Replica:
     """This worker's model replica, its gradient buffer, its shard of the optimizer and its peers."""
 
     def __init__(self, spec: WorkerSpec):
-        launch, plan = spec.launch, spec.launch.plan
+        shared, plan = spec.shared, spec.shared.plan
         settings = plan.settings
-        self.launch, self.plan, self.rank = launch, plan, spec.rank
-        self.model, self.layout = launch.model, launch.layout
+        self.shared, self.plan, self.rank = shared, plan, spec.rank
+        self.model, self.layout = shared.model, shared.layout
         precision = Precision(settings.precision)
         # Worker 0's one process, copied from the model before it becomes the shared one.
-        reference = Reference(self.model, self.layout, launch.phases, plan, launch.flat.dtype) \
+        reference = Reference(self.model, self.layout, shared.phases, plan, shared.flat.dtype) \
             if plan.verifies and spec.rank == 0 else None
-        self.layout.bind(self.model, launch.flat)
+        self.layout.bind(self.model, shared.flat)
         # What forward passes call: the model, or (compile) inductor's compilation of it, over the
         # same parameters; it compiles on its first call (the first step), from the shared cache
         # where another worker or run compiled it already.
@@ -54,24 +54,24 @@ class Replica:
         self.reducer.watch(params, self.layout, settings.accumulate, settings.bucket_kb * 1024)
         if settings.sync_batchnorm:
             synchronise(self.model, self._waiting_sum)
-        self.gradients = Gradients(launch, spec.rank, runner, precision, self.reducer, reached, buffers,
+        self.gradients = Gradients(shared, spec.rank, runner, precision, self.reducer, reached, buffers,
                                    across_nodes=spec.cluster is not None)
 
         share = spec.share
-        self.phases = [WorkerPhase(phase, self.layout, spec.rank, launch.flat, self.reducer.shard_grad, plan,
+        self.phases = [WorkerPhase(phase, self.layout, spec.rank, shared.flat, self.reducer.shard_grad, plan,
                                    share["phases"][index] if share else None)
-                       for index, phase in enumerate(launch.phases)]
+                       for index, phase in enumerate(shared.phases)]
         self.verification = _verification(spec, self.reducer, self.global_sum, reference) if plan.verifies else None
         self.evaluator = Evaluator(spec, runner, precision, buffers, self.global_sum)
         self.checkpoint_share = CheckpointShare(spec, self.phases, self.reducer)
-        self.stop_agreement = StopAgreement(launch.stop, spec.rank, self.reducer.barrier)
+        self.stop_agreement = StopAgreement(shared.stop, spec.rank, self.reducer.barrier)
         self.lr_used: float | None = None  # by the last step's update
         if share is not None and share.get("rng") is not None:
             random_state.restore(share["rng"])  # same workers: same random streams
         self.feed = None
-        if launch.train is not None:
-            launch.train.resume_at(share.get("stream") if share else None, plan.start_step)
-            self.feed = Feed(launch.train, spec.global_rank, plan.placement.global_workers, settings.accumulate,
+        if shared.train is not None:
+            shared.train.resume_at(share.get("stream") if share else None, plan.start_step)
+            self.feed = Feed(shared.train, spec.global_rank, plan.placement.global_workers, settings.accumulate,
                              settings.channels_last, plan.total_steps, settings.prefetch)
 
     def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ class Replica:
     def _waiting_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``global_sum`` inside a forward or backward pass (batch norm): its wait for the peers is
         a wait, so that a worker stopped there is not blamed for the peers it waits for."""
-        with self.launch.heartbeats.waiting(self.rank):
+        with self.shared.heartbeats.waiting(self.rank):
             return self.global_sum(tensor)
 
     # --- one step ------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ class Replica:
         plan = self.plan
         with timer("data"):
             micro_batches = self.feed.step(step)
-            digest = self.launch.train.order_digest(step)
+            digest = self.shared.train.order_digest(step)
         phase_totals = []
         verifying = self.verification is not None and self.verification.due(step)
         for index, phase in enumerate(self.phases):
@@ -111,7 +111,7 @@ class Replica:
             checked = verifying and totals.finite  # a left-out update has nothing to compare
             if checked:
                 self.verification.after_reduce(step, index, self.reducer.shard_grad, phase.optimizer,
-                                               lambda: self.feed.whole(step), self.launch.flat, totals, self.model,
+                                               lambda: self.feed.whole(step), self.shared.flat, totals, self.model,
                                                timer)
             if index == 0:
                 self.lr_used = self.current_lr()  # before the scheduler moves it on
@@ -122,14 +122,14 @@ class Replica:
             if phase.spec.after_update is not None and totals.finite:  # a left-out update has no after
                 self.after_update(phase.spec.after_update, timer)
             if checked:
-                self.verification.after_update(step, self.launch.flat, timer, last_phase=index == len(self.phases) - 1)
+                self.verification.after_update(step, self.shared.flat, timer, last_phase=index == len(self.phases) - 1)
         with timer("update"):
-            if self.launch.ema is not None:  # this shard's average: 1/W of the work in each worker
+            if self.shared.ema is not None:  # this shard's average: 1/W of the work in each worker
                 shard = self.layout.shards[self.rank]
-                self.launch.ema[shard.start : shard.stop].lerp_(self.launch.flat[shard.start : shard.stop],
+                self.shared.ema[shard.start : shard.stop].lerp_(self.shared.flat[shard.start : shard.stop],
                                                                1 - plan.settings.ema_decay)
         if self.rank == 0:
-            self.launch.stop.decide(step + 1)  # before the barrier: all workers read the same decision
+            self.shared.stop.decide(step + 1)  # before the barrier: all workers read the same decision
         with timer("wait"):
             self.reducer.barrier()  # nobody reads parameters that are still being written
         return phase_totals
@@ -177,11 +177,11 @@ class Replica:
 def _verification(spec: WorkerSpec, reducer: Reducer, global_sum: Callable[[torch.Tensor], torch.Tensor],
                   reference: Reference | None) -> Verification:
     """verify=: this worker's part in comparing steps with one process's (``reference``, worker 0's)."""
-    plan, settings = spec.launch.plan, spec.launch.plan.settings
+    plan, settings = spec.shared.plan, spec.shared.plan.settings
     rendezvous = os.path.dirname(spec.store_path)
     peers = Peers(spec.rank, plan.workers, reducer.barrier, global_sum,
-                  lambda rank: os.path.join(rendezvous, f"verify-{rank}.pt"), Bell(spec.launch.verify_bell),
+                  lambda rank: os.path.join(rendezvous, f"verify-{rank}.pt"), Bell(spec.shared.verify_bell),
                   tuple(sorted({cpu for cpus in plan.placement.pinning for cpu in cpus})),
                   settings.threads * plan.workers)
-    shard = spec.launch.layout.shards[spec.rank]
-    return Verification(plan, peers, spec.launch.verify_grads, (shard.start, shard.stop), reference)
+    shard = spec.shared.layout.shards[spec.rank]
+    return Verification(plan, peers, spec.shared.verify_grads, (shard.start, shard.stop), reference)

@@ -1,4 +1,4 @@
-"""What a worker receives: what the workers of one launch share (``Launch``) and its own part (``WorkerSpec``)."""
+"""What a worker receives: what the workers of one launch share (``Shared``) and its own part (``WorkerSpec``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from .phases import PhaseSpec
 
 
 @dataclass
-class Launch:
+class Shared:
     """What the workers of one launch share. Tensors in it live in shared memory: pickling sends handles."""
 
     plan: Plan
@@ -43,12 +43,12 @@ class Launch:
 class WorkerSpec:
     rank: int  # within the node
     store_path: str
-    launch: Launch
+    shared: Shared
     share: dict[str, Any] | None = None  # this worker's share of a checkpoint: each phase's state, random state
     cluster: Cluster | None = None  # several nodes under torchrun
 
     @property
     def global_rank(self) -> int:
         """This worker's rank among every node's workers."""
-        placement = self.launch.plan.placement
+        placement = self.shared.plan.placement
         return placement.node_rank * placement.workers + self.rank
