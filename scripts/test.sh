@@ -9,14 +9,29 @@
 # decoded and augmented images); the modules about which samples are read in which order, and who
 # owns a folder (streams, Hugging Face datasets, seams, run_owns, self-shuffling, order), run once:
 # what they train is the arithmetic the core covers.
+#
+# bash scripts/test.sh --quick is the quick tier instead: the tests marked quick (-m quick: each test
+# module's story told once, at its smallest), then those of the equivalence core on the two kernel sets.
+# Any other argument goes to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+QUICK=""  # --quick picks the tier and goes to no pytest run (it is no pytest option)
+ARGS=()
+for arg in "$@"; do
+    if [ "$arg" = --quick ]; then QUICK=1; else ARGS+=("$arg"); fi
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
 bash scripts/setup.sh test
 .venv/bin/python -m ruff check .  # first: errors and likely bugs ([tool.ruff] in pyproject.toml) end it at once
-echo "the unit tier: tests that start no process"
-.venv/bin/python -m pytest -q -m unit tests "$@"
-echo "the tests that start processes: workers, launchers, commands"
-.venv/bin/python -m pytest -q -m "not unit" tests "$@"
+if [ -n "$QUICK" ]; then
+    echo "the quick tier: each test module's quick tests"
+    .venv/bin/python -m pytest -q -m quick tests "$@"
+else
+    echo "the unit tier: tests that start no process"
+    .venv/bin/python -m pytest -q -m unit tests "$@"
+    echo "the tests that start processes: workers, launchers, commands"
+    .venv/bin/python -m pytest -q -m "not unit" tests "$@"
+fi
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
     tests/test_loop.py tests/test_collate.py tests/test_prefetch.py tests/test_gather.py tests/test_word_lm.py
     tests/test_loss_probe.py tests/test_lightning_module.py tests/test_sn_backend.py"
@@ -24,5 +39,6 @@ for kernels in default avx2; do
     echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels"
     # With the portable kernels, the shared-memory collectives run their Python path too (no C core).
     native=1; [ "$kernels" = default ] && native=0
-    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q $EQUIVALENCE "$@"
+    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q ${QUICK:+-m quick} \
+        $EQUIVALENCE "$@"
 done

@@ -13,23 +13,6 @@ _STARTERS = [(BaseProcess, "start"), (os, "fork"), (os, "forkpty"), (os, "posix_
              (os, "system"), (_posixsubprocess, "fork_exec"), (subprocess, "_fork_exec")]
 
 
-def pytest_addoption(parser):
-    parser.addoption("--quick", action="store_true",
-                     help="the quick tier: each test module's first test (its first parameters), so every story "
-                          "runs once; the full suite is what CI runs")
-
-
-def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--quick"):
-        return
-    kept, dropped, modules = [], [], set()
-    for item in items:
-        (dropped if item.path in modules else kept).append(item)
-        modules.add(item.path)
-    config.hook.pytest_deselected(items=dropped)
-    items[:] = kept
-
-
 @pytest.fixture
 def no_leaks():
     """Assert that a test leaves no child process, no new /dev/shm entry and no shared-memory segment

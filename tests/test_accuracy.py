@@ -13,6 +13,7 @@ import pytest
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.quick
 def test_one_epoch_of_the_main_job_reaches_085(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "sn_trainer", "epochs=1", "workers=2", f"hydra.run.dir={out}"],

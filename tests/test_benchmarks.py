@@ -30,6 +30,7 @@ runner = _runner()
 NAMES = [b.name for b in runner.benchmarks()]
 
 
+@pytest.mark.quick
 def test_the_entry_point_lists_every_benchmark_with_what_it_measures_and_writes():
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -60,7 +60,7 @@ def test_gpt_forward_with_targets_and_tied_weights(workers, batch_size):
     assert result.final_loss == pytest.approx(result.history[-1]["loss"])
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_token_sums_with_padding_divide_by_the_global_count(workers):
     torch.manual_seed(0)
     model = TinyGPT().double()

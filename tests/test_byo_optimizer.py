@@ -112,7 +112,7 @@ class BatchNormNet(nn.Module):
         return self.head(self.features(x))
 
 
-@pytest.mark.parametrize("workers, batch_size", [(1, 12), (2, 12), (3, 11)])
+@pytest.mark.parametrize("workers, batch_size", [(1, 12), pytest.param(2, 12, marks=pytest.mark.quick), (3, 11)])
 def test_sync_batchnorm_equals_one_process_with_the_global_batch(workers, batch_size):
     torch.manual_seed(0)
     model = BatchNormNet().double()
@@ -134,7 +134,7 @@ def test_without_sync_batchnorm_statistics_are_per_worker_like_ddp():
     assert not torch.allclose(model.features[1].running_mean, reference.features[1].running_mean, rtol=1e-4)
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_adafactor_gets_whole_tensors_and_equals_plain_pytorch(workers):
     torch.manual_seed(0)
     model = SmallConvNet().double()

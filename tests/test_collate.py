@@ -101,7 +101,7 @@ def mean_step(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick)])
 def test_a_collate_fn_is_called_with_what_a_worker_gets(workers):
     """Never with one sample (which training never does): the rehearsal collates worker micro-batches
     of 8 // workers (27 samples: never a short rest, when it looks for ignored labels either), and

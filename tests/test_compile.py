@@ -33,7 +33,7 @@ class NotesCompiling(nn.Module):
         return self.net(x)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=pytest.mark.quick), False])
 def test_a_compiled_model_trains_and_evaluates_as_eager_plain_pytorch(compiled):
     torch.manual_seed(0)
     model = NotesCompiling().double()

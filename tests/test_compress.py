@@ -79,6 +79,7 @@ def mlp() -> nn.Module:
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_the_nodes_errors_add_up_to_what_the_factors_left_out_and_every_node_gets_the_same_bits():
     layout = FlatLayout(mlp(), 1)
     plan = shard_compression(layout, 0, 2)

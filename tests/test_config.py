@@ -46,6 +46,7 @@ pytestmark = pytest.mark.unit  # the unit tier: starts no process
     ({"dataset": {"seed": 3}}, r"^dataset.seed is now called dataset.data_seed \(it seeds the synthetic data, the folder "
                                r"split and a folder's augmentation; `seed` is the run's own, .*\)$"),
 ])
+@pytest.mark.quick
 def test_config_errors(raw, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_dict(raw)

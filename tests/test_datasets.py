@@ -41,6 +41,7 @@ def write_mnist_files(directory, n_train=20, n_test=10, compress=True):
 
 @pytest.mark.parametrize("name", ["fashion_mnist", "mnist"])
 @pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.quick
 def test_mnist_like_from_root(tmp_path, name, compress):
     arrays = write_mnist_files(tmp_path, compress=compress)
     data = load_datasets(DatasetConfig(name=name, root=str(tmp_path)))

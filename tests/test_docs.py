@@ -28,6 +28,7 @@ def this_checkout_env() -> dict:
     return env
 
 
+@pytest.mark.quick
 def test_the_site_builds_strict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -50,6 +50,7 @@ def test_a_dataset_that_sleeps_is_data_bound():
     assert "__getitem__" in found.top.fix and found.top.seconds > 0
 
 
+@pytest.mark.quick
 def test_two_samples_per_worker_on_lenet_is_below_the_knee():
     result = lenet_fit(images(256), batch_size=4, max_steps=40, measure_after=5)
     found = sn_trainer.diagnose(result)

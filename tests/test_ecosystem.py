@@ -134,6 +134,7 @@ def test_the_slurm_preset_asks_for_whole_nodes(tmp_path, monkeypatch):
         assert line in sbatch.splitlines(), sbatch
 
 
+@pytest.mark.quick
 def test_the_multinode_sbatch_script_starts_one_torchrun_per_node_meeting_on_the_first(tmp_path):
     """examples/slurm_torchrun.sbatch under Slurm's variables: srun starts torchrun with the c10d
     rendezvous test_multinode.py runs for real (two torchruns on one machine)."""

@@ -320,6 +320,7 @@ def test_the_slurm_script_runs_an_elastic_job_between_min_and_all_nodes(tmp_path
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_a_node_restarted_for_a_membership_change_resumes_only_its_own_jobs_checkpoint(tmp_path):
     """A join restarts every node without counting a restart (a new node starts at 0): the
     checkpoint's torchrun job says whether it is this run's; torchrun's default id names no job

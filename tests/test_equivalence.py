@@ -33,9 +33,9 @@ def fit_both(workers, batch_size, optimizer, steps=5, trainer_batch=None, accumu
     return model, reference, result
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("batch_size", [12, 7])
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers, batch_size, optimizer", [
+    pytest.param(*case, marks=pytest.mark.quick) if case == (2, 7, "adamw") else case
+    for case in [(w, b, o) for w in (1, 2, 3) for b in (12, 7) for o in sorted(OPTIMIZERS)]])
 def test_workers_match_one_process(workers, batch_size, optimizer):
     model, reference, result = fit_both(workers, batch_size, OPTIMIZERS[optimizer])
     assert result.steps == 5 and result.workers == workers

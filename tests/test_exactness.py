@@ -166,7 +166,7 @@ def frozen_backbone() -> FineTuned:
     return model
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_a_frozen_backbone_in_eval_mode_keeps_its_statistics_and_its_mode(workers):
     model = frozen_backbone()
     statistics = copy.deepcopy(model.backbone.state_dict())

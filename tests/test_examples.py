@@ -29,6 +29,7 @@ def test_word_level_lstm_language_model(tmp_path):
     assert re.search(r"perplexity ([\d.]+)", resumed)
 
 
+@pytest.mark.quick
 def test_vae_on_fashion_mnist():
     out = run("vae.py", "--max-steps", "6", "--limit", "1024")
     loss = float(re.search(r"test loss ([\d.]+) per image", out).group(1))

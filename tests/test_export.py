@@ -47,7 +47,7 @@ def written_before_aliases(checkpoint_file, path, shared_storage=False):
     return saved
 
 
-@pytest.mark.parametrize("shared_storage", [False, True])
+@pytest.mark.parametrize("shared_storage", [pytest.param(False, marks=pytest.mark.quick), True])
 def test_a_checkpoint_written_before_ties_were_recorded_exports_what_load_model_restores(
         checkpoint_file, tmp_path, shared_storage):
     old = tmp_path / "old.pt"

@@ -35,6 +35,7 @@ def test_a_worker_that_raises_stops_fit_with_its_traceback(tmp_path, no_leaks):
     assert seconds < 10
 
 
+@pytest.mark.quick
 def test_a_sigkilled_worker_stops_fit_naming_the_signal(tmp_path, no_leaks):
     error, seconds = failing_fit(tmp_path, "kill")
     assert "killed by SIGKILL" in str(error)

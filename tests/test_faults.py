@@ -97,6 +97,7 @@ def test_resume_with_the_other_memory_layout_is_exact_but_for_rounding(tmp_path)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_sigkilled_worker_restarts_from_checkpoint_bit_exactly(tmp_path, no_leaks):
     reference = fresh(lambda m: Bomb(m, str(tmp_path / "never"), "kill", at_call=10**9))
     fit(reference, tmp_path / "reference")

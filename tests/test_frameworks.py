@@ -106,6 +106,7 @@ def test_an_unchanged_gloo_job_under_the_flag_reduces_over_sn_to_the_same_weight
     assert_close_states(over_sn[0]["state"], over_gloo[job][0]["state"], **TIGHT)
 
 
+@pytest.mark.quick
 def test_lightnings_default_ddp_trains_as_a_plain_loop_over_sn(redirected):
     state = redirected[0]["lightning"][0]["state"]
     assert_close_states(state, plain_sgd(4, as_lightning_shuffles, momentum=0.9), rtol=1e-10, atol=1e-12)

@@ -29,6 +29,7 @@ def test_help_names_every_setting_with_its_default_and_meaning():
         assert " ".join(row.help.replace("`", "").split())[:60] in shown, row.keyword
 
 
+@pytest.mark.quick
 def test_a_config_keywords_or_both():
     config = TrainerConfig(batch_size=8, workers=1, checkpoint=CheckpointConfig(keep=5))
     assert Trainer(config).config == config

@@ -83,7 +83,7 @@ def plain_steps(model, data, batch_size, steps, seed, loss, drop_last=True, micr
     return model
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_nt_xent_over_the_gathered_global_batch_equals_plain_pytorch(workers):
     torch.manual_seed(0)
     model, data = SimCLR().double(), two_views(36)

@@ -38,7 +38,7 @@ def assert_same(mine, theirs):
         torch.testing.assert_close(p, q, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_an_arrow_dataset_on_disk_trains_where_it_lies(tmp_path, workers):
     table().save_to_disk(str(tmp_path / "data"))
     data = datasets.load_from_disk(str(tmp_path / "data")).with_format("torch")

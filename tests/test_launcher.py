@@ -161,6 +161,7 @@ def test_cpu_backend_sn_replaces_gloo_on_cpu_and_nothing_else(asked, made):
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_auto_is_the_usable_physical_cores_over_the_threads_in_numa_order(tmp_path):
     topology = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=4, smt=True), proc_root=tmp_path / "no")
     runtime = Runtime("system", "gnu")

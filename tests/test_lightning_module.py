@@ -90,7 +90,7 @@ def its_own_loop(module, dataset, batch_size, steps, seed):
     return module
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_its_training_step_optimizer_and_scheduler_are_exact(workers):
     train, held_out = regression_set(30, 1), regression_set(11, 2)
     module = Regression()

@@ -71,7 +71,7 @@ class Recorder(Callback):
         self.calls.append(("fit_end", result.steps))
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_evaluation_every_n_steps_reports_what_a_plain_loop_measures(workers, tmp_path):
     torch.manual_seed(0)
     model = SmallConvNet().double()

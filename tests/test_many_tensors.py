@@ -33,7 +33,7 @@ def data(n, shape, classes, seed=0):
     return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick)])
 def test_a_model_of_two_thousand_parameter_tensors_trains(workers, no_leaks):
     torch.manual_seed(0)
     model = ManyLayers()

@@ -60,7 +60,8 @@ def once_over(model, dataset) -> dict[str, float]:
             "hits": (logits.argmax(1) == targets).double().mean().item()}
 
 
-@pytest.mark.parametrize("workers,comm", [(1, "auto"), (2, "shm"), (2, "gloo"), (3, "shm")])
+@pytest.mark.parametrize("workers,comm", [(1, "auto"), pytest.param(2, "shm", marks=pytest.mark.quick), (2, "gloo"),
+                                         (3, "shm")])
 def test_torchmetrics_merged_over_workers_and_chunks_equal_one_pass(workers, comm):
     """37 samples in chunks of 5: slices of 37, 19/18 and 13/12/12 samples, each ending in a short chunk."""
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("user", ["", "ann:secret@"])
+@pytest.mark.parametrize("user", [pytest.param("", marks=pytest.mark.quick), "ann:secret@"])
 def test_a_server_down_from_the_start_costs_seconds_and_the_run_trains_untracked(tmp_path, user):
     uri = f"http://{user}127.0.0.1:{closed_port()}"
     started = time.monotonic()

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.unit  # the unit tier: starts no process
 
 @pytest.mark.parametrize("name, shape, classes, params", [
     ("lenet", (1, 28, 28), 10, 431_080),        # Caffe's lenet_train_test.prototxt
-    ("cifar10_quick", (3, 32, 32), 10, 145_578),  # Caffe's cifar10_quick_train_test.prototxt
+    pytest.param("cifar10_quick", (3, 32, 32), 10, 145_578, marks=pytest.mark.quick),  # Caffe's cifar10_quick_train_test.prototxt
     ("mlp", (1, 28, 28), 10, None),
     ("lenet", (3, 32, 32), 7, None),
     ("resnet18", (1, 28, 28), 10, None),         # torchvision, first conv adapted to 1 channel

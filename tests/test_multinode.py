@@ -82,6 +82,7 @@ def test_a_dead_worker_on_one_node_stops_both_nodes(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_torchrun_environment_is_read_and_checked():
     env = {"TORCHELASTIC_RUN_ID": "r1", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "3", "RANK": "2",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "1",

@@ -91,6 +91,7 @@ def test_a_notebook_trains_its_own_classes_and_functions_exactly(tmp_path):
                and f"eval_loss={eval_loss}" in m["state"]["value"] for m in state if m["model_name"] == "HTMLModel")
 
 
+@pytest.mark.quick
 def test_a_script_read_from_standard_input_trains():
     script = "\n".join(textwrap.dedent(c) for c in CELLS)
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=240)

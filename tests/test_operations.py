@@ -84,6 +84,7 @@ def test_a_late_start_of_the_warm_workers_server_says_how_to_start_it_early(earl
     assert done.stderr.count("call sn_trainer.warm_up() before importing torch") == (0 if early else 1), done.stderr
 
 
+@pytest.mark.quick
 def test_sigint_to_one_worker_stops_the_run_at_a_step_boundary(tmp_path):
     marker = uuid.uuid4().hex
     run = tmp_path / "run"

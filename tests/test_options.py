@@ -35,6 +35,7 @@ def leaves(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+@pytest.mark.quick
 def test_the_yaml_defaults_are_the_dataclass_defaults():
     yaml = leaves(composed())
     rows = {key: default for key, default, _ in option_rows()}

@@ -38,7 +38,7 @@ def fit(model, workers, steps=STEPS, **settings):
                    **settings).fit(model, tiny_dataset(n=N, dtype=torch.float64), optimizer=SGD)
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_unshuffled_set_trains_in_index_order_every_epoch(workers):
     """Global batch k of each epoch is samples kB..(k+1)B-1, split over the workers (7 = 4+3, 3+2+2)."""
     torch.manual_seed(0)

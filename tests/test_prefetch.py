@@ -62,7 +62,7 @@ def plain(model, dataset, batch_size, epochs, seed):
     return model
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_images_augmented_per_sample_and_read_ahead_train_as_a_plain_loop(folder, workers):
     data = load_datasets(DatasetConfig(name="folder", root=str(folder), image_size=8, augment=True, data_seed=1,
                                        test_fraction=0.1))

@@ -46,6 +46,7 @@ def step_and_check(model, reducer, sent_when_backward_ends):
     hook.remove()
 
 
+@pytest.mark.quick
 def test_buckets_leave_during_the_backward_pass_but_the_last(tmp_path):
     model = three_layers()
     reducer = watched(tmp_path, model)

@@ -65,6 +65,7 @@ def test_skipped_jobs_are_recorded_and_left_out(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_speed_axes_start_at_zero_and_a_shared_machine_is_flagged():
     import matplotlib
 

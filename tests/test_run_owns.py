@@ -40,6 +40,7 @@ def fit(folder, steps, every, **settings):
                    **settings).fit(SmallConvNet(), tiny_dataset(), optimizer=SGD)
 
 
+@pytest.mark.quick
 def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path):
     fit(tmp_path, 6, 2)
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
@@ -544,6 +545,7 @@ class Raises(Callback):
         raise ValueError("and another")
 
 
+@pytest.mark.quick
 def test_a_callback_that_raises_is_reported_once_per_hook_and_training_goes_on(tmp_path, caplog):
     def run(callbacks):
         torch.manual_seed(0)

@@ -7,6 +7,7 @@ from sn_trainer.data.sampler import GlobalBatches, epoch_order, slice_bounds
 pytestmark = pytest.mark.unit  # the unit tier: starts no process
 
 
+@pytest.mark.quick
 def test_slices_partition_the_batch_and_differ_by_at_most_one():
     for batch in range(1, 40):
         for world in range(1, batch + 1):

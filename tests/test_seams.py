@@ -92,6 +92,7 @@ class ColumnSource:
         pass
 
 
+@pytest.mark.quick
 def test_a_new_data_source_is_one_class(monkeypatch):
     monkeypatch.setattr(sources, "SOURCES", (ColumnSource, *sources.SOURCES))
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ class SocketProbe(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("comm", ["gloo", "auto"])
+@pytest.mark.parametrize("comm", ["gloo", pytest.param("auto", marks=pytest.mark.quick)])
 def test_no_socket_listens_beyond_loopback(tmp_path, comm):
     shm_before = set(os.listdir("/dev/shm"))
     model = SocketProbe(SmallConvNet(), str(tmp_path))

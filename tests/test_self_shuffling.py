@@ -53,6 +53,7 @@ def test_one_worker_reads_one_order_whatever_the_stream_draws():
     assert result.steps == 2
 
 
+@pytest.mark.quick
 def test_workers_that_read_different_items_stop_at_the_first_step_they_differ():
     """The first epoch (3 steps of 6) is in stored order in every worker, so nothing is refused
     before the start; from the second epoch each worker draws its own order, and step 4 ends the run

@@ -13,6 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 import sn_trainer
@@ -97,6 +98,7 @@ def test_no_test_only_package_is_installed_for_training():
     assert sorted(names & set(TEST_ONLY)) == []
 
 
+@pytest.mark.quick
 def test_every_module_imports_with_the_base_install_alone():
     proc = subprocess.run([sys.executable, "-c", IMPORT_ALL, ",".join(sorted(importable(base_install())))],
                           capture_output=True, text=True, timeout=120)

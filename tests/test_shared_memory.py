@@ -20,6 +20,7 @@ from sn_trainer.fit.session import launch_workers
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.quick
 def test_parameters_are_views_of_one_shared_tensor_and_state_is_sharded(no_leaks):
     torch.manual_seed(0)
     model = SmallConvNet()

@@ -326,6 +326,7 @@ def test_a_group_across_two_machines_sums_in_each_then_between_them_exactly(tmp_
 
 
 @pytest.mark.unit
+@pytest.mark.quick
 def test_the_c_core_through_ctypes_as_where_no_python_headers_are_found(monkeypatch):
     """One rank, in this process: each collective through the ctypes surface (a machine without Python's
     headers builds the library without its CPython module) gives what the module gives."""

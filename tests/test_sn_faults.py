@@ -297,6 +297,7 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.quick
 def test_a_rank_killed_in_another_pid_namespace_is_seen_dead_within_a_second(tmp_path):
     """Rank 1 runs as pid 1 of a PID namespace of its own (it shares this one's IPC and host name):
     killed while rank 0 waits for it, rank 0 raises within a second (the group's timeout is 60 s)."""

@@ -229,6 +229,7 @@ def assert_same(a, b, what) -> None:
         assert a == b, what
 
 
+@pytest.mark.quick
 def test_subgroups_funcol_device_mesh_dtensor_and_fsdp2_over_sn_as_over_gloo(tmp_path, no_leaks):
     codes = run_ranks(mesh_job, WORLD, tmp_path, timeout_s=220)
     assert codes == [0] * WORLD, [p.read_text() for p in tmp_path.glob("error*.txt")]

@@ -80,7 +80,7 @@ def plain_unsized(model, stream, batch_size, steps):
     return model
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_a_stream_with_a_length_trains_as_a_dataloader_over_it_each_epoch(workers):
     torch.manual_seed(0)
     model = SmallConvNet().double()

@@ -153,6 +153,7 @@ def imports_back_up(package: Path = PACKAGE) -> list[str]:
     return offenders
 
 
+@pytest.mark.quick
 def test_no_module_imports_a_higher_layer():
     assert imports_back_up() == []
 
@@ -523,3 +524,59 @@ def test_a_unit_test_that_starts_a_process_fails():
         os.fork()
     with pytest.raises(AssertionError, match=r"started a process \(system\)"):
         os.system("true")
+
+
+# --- the quick tier ------------------------------------------------------------------------------
+
+TESTS = Path(__file__).parent
+
+
+def names_quick(node: ast.AST) -> bool:
+    """Whether ``pytest.mark.quick`` (or ``mark.quick``) is written inside ``node``."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "quick" and ast.unparse(n.value).endswith("mark")
+               for n in ast.walk(node))
+
+
+def without_quick_tests(tests: Path = TESTS) -> list[str]:
+    """The test modules with no test in the quick tier (``-m quick``, scripts/test.sh --quick), read
+    from their source: a test (or test class) decorated with the mark, a module's ``pytestmark``
+    holding it, or one parameter set's ``pytest.param(..., marks=...)`` holding it."""
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        tree, quick = ast.parse(path.read_text()), False
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                quick |= node.name.lower().startswith("test") and any(names_quick(d) for d in node.decorator_list)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "param":
+                quick |= any(k.arg == "marks" and names_quick(k.value) for k in node.keywords)
+        quick |= any(isinstance(node, ast.Assign) and names_quick(node.value)
+                     and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+                     for node in tree.body)
+        if not quick:
+            found.append(path.name)
+    return found
+
+
+@pytest.mark.unit
+def test_every_test_module_has_a_quick_test():
+    """``bash scripts/test.sh --quick`` tells each module's story once: a new module chooses its test."""
+    assert without_quick_tests() == []
+
+
+@pytest.mark.unit
+def test_a_test_module_without_a_quick_test_is_found(tmp_path):
+    """The check above is not vacuous: a module whose quick mark is only in a comment, on a helper or
+    on a test's other marks is reported; each of the three ways to mark a test is found."""
+    for name, text in {
+        "test_none.py": "import pytest\n\n\n@pytest.mark.quick\ndef helper():\n    pass\n\n\n"
+                        "@pytest.mark.unit  # not pytest.mark.quick\n@pytest.mark.parametrize('w', [1, "
+                        "pytest.param(2, marks=pytest.mark.unit)])\ndef test_a(w):\n    pass\n",
+        "test_decorated.py": "import pytest\n\n\n@pytest.mark.quick\ndef test_a():\n    pass\n",
+        "test_module.py": "import pytest\n\npytestmark = [pytest.mark.unit, pytest.mark.quick]\n\n\ndef test_a():\n"
+                          "    pass\n",
+        "test_param.py": "import pytest\n\n\n@pytest.mark.parametrize('w', [1, pytest.param(2, marks=[pytest.mark.quick])])"
+                         "\ndef test_a(w):\n    pass\n",
+        "helpers.py": "def test_like_helper():\n    pass\n",  # no test module: not checked
+    }.items():
+        (tmp_path / name).write_text(text)
+    assert without_quick_tests(tmp_path) == ["test_none.py"]

@@ -77,7 +77,7 @@ def test_gpt2_tokens_fit_the_token_file(tmp_path, monkeypatch):
     assert list((tmp_path / "cache").glob("sn_trainer-tokens-*.u16"))  # the cache directory asked for
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [pytest.param(2, marks=pytest.mark.quick), 3])
 def test_the_gpt_with_tied_embeddings_and_decay_groups_matches_one_process(tmp_path, workers):
     data = load_text(str(write_text(tmp_path)), "char", block_size=8, test_fraction=0.2)
     torch.manual_seed(0)

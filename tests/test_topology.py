@@ -39,6 +39,7 @@ def test_parse_cpu_list():
     assert parse_cpu_list("5") == [5]
 
 
+@pytest.mark.quick
 def test_two_sockets_with_smt(tmp_path):
     topo = read_topology(make_sys(tmp_path, sockets=2, cores_per_socket=4, smt=True))
     assert (topo.physical_cores, topo.logical_cpus, topo.numa_nodes, topo.smt) == (8, 16, 2, True)

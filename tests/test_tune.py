@@ -116,6 +116,7 @@ def test_the_cache_is_keyed_and_ignores_stale_entries(tmp_path, monkeypatch):
     assert tune.load("no such key") is None
 
 
+@pytest.mark.quick
 def test_tune_measures_caches_and_workers_auto_uses_it(tmp_path, monkeypatch, caplog):
     import functools
     import logging

@@ -106,6 +106,7 @@ def run(tmp_path, mode):
                           text=True, timeout=150, cwd=tmp_path)
 
 
+@pytest.mark.quick
 def test_every_kind_of_object_a_script_defines_goes_to_the_workers_and_back(tmp_path, no_leaks):
     done = run(tmp_path, "train")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -127,6 +127,7 @@ def collapsed_then_spread(n: int = 160, spread_from: int = 104) -> TensorDataset
     return TensorDataset(x, torch.randint(0, 2, (n,), generator=g))
 
 
+@pytest.mark.quick
 def test_a_loss_that_stops_splitting_is_caught_within_the_verifications_gap():
     """Global batches 1-13 all go to expert 0, where the load-balancing term splits as a mean; from
     step 14 on they spread. Verified every 4 steps, step 16 is the first checked one that differs:

@@ -75,7 +75,7 @@ def start_model(lm, vocab):
     return lm.RNNModel(vocab, 8, dropout=0.0, columns=COLUMNS).double()
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.quick), 3])
 def test_the_hidden_state_is_carried_as_pytorch_examples_carries_it(workers):
     lm = example()
     ids, vocab = tokens(lm)
