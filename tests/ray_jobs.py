@@ -1,0 +1,102 @@
+"""What tests/test_ray.py runs on a local Ray cluster: a Ray Train DDP script as its users write it
+(``ray.train.torch.prepare_model`` and ``prepare_data_loader``, a loop per worker), and a machine of its
+own for the Ray node a test adds.
+
+Each worker writes OUT/<tag>-rank<r>.pt: the trained parameters, the backend of the group its DDP
+wrapper reduced over and the class that ran it, where the training thread runs (its affinity and
+intra-op threads) and what ``SNConfig`` chose for it, so that the test can compare "sn" with gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+CLONE_NEWUTS = 0x04000000
+
+
+def ddp_loop(config: dict) -> None:
+    """A Ray Train training function: a small classifier, shuffled batches, SGD with momentum."""
+    import ray.train
+    import ray.train.torch
+
+    dtype = getattr(torch, config.get("dtype", "float32"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+    model = ray.train.torch.prepare_model(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=generator, dtype=dtype)
+    y = torch.randint(0, 3, (96,), generator=generator)
+    loader = ray.train.torch.prepare_data_loader(
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    context = ray.train.get_context()
+    for epoch in range(config.get("epochs", 2)):
+        if context.get_world_size() > 1:
+            loader.sampler.set_epoch(epoch)
+        for inputs, labels in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+    record(config, model, context.get_world_rank())
+
+
+def record(config: dict, model, rank: int) -> None:
+    from sn_trainer.integrations.ray import placement
+
+    module = getattr(model, "module", model)
+    found = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+             "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+             "host": socket.gethostname(), "placement": placement()}
+    if dist.is_initialized():
+        group = getattr(model, "process_group", None) or dist.group.WORLD
+        implementation = group._get_backend(torch.device("cpu"))  # gloo's, or sn_trainer's SnBackend
+        found.update(backend=dist.get_backend(group), backend_class=type(implementation).__name__)
+        if hasattr(implementation, "_collectives"):  # "sn": the machines its ranks run on (members: one list each)
+            found["machines"] = len(getattr(implementation._collectives, "members", [[]]))
+    torch.save(found, Path(config["out"]) / f"{config['tag']}-rank{rank}.pt")
+
+
+@contextlib.contextmanager
+def another_machine(host: str):
+    """Processes started inside the block (a Ray node's raylet, and the workers it starts) run in a
+    UTS namespace of their own under ``host``: another machine to the "sn" backend (the boot id
+    stays; the host name differs). This thread goes back to its own namespace after the block."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    here = os.open("/proc/thread-self/ns/uts", os.O_RDONLY)
+    try:
+        if libc.unshare(CLONE_NEWUTS) != 0:  # root
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+        socket.sethostname(host)
+        yield
+    finally:
+        if libc.setns(here, CLONE_NEWUTS) != 0:
+            raise OSError(ctypes.get_errno(), "setns back to this process's UTS namespace")
+        os.close(here)
+
+
+def saved(out: Path, tag: str, world: int) -> list[dict]:
+    return [torch.load(out / f"{tag}-rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def train(tag: str, torch_config, out: Path, workers: int, dtype: str = "float32", **scaling) -> None:
+    """``ddp_loop`` under Ray Train's TorchTrainer, as a driver script starts it."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(ddp_loop, train_loop_config={"out": str(out), "tag": tag, "dtype": dtype}, torch_config=torch_config,
+                 scaling_config=ScalingConfig(num_workers=workers, **scaling),
+                 run_config=RunConfig(storage_path=str(out / "ray"), name=tag)).fit()
+
+
+# Ray Train's own pace, set for the tests: its controller polls the workers every 2 s by default and
+# starts a preemption watcher and metrics of its own, none of which these runs need.
+QUICK = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+         "RAY_TRAIN_METRICS_ENABLED": "0"}
