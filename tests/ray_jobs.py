@@ -100,3 +100,38 @@ def train(tag: str, torch_config, out: Path, workers: int, dtype: str = "float32
 # starts a preemption watcher and metrics of its own, none of which these runs need.
 QUICK = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
          "RAY_TRAIN_METRICS_ENABLED": "0"}
+
+
+def per_node(config: dict) -> None:
+    """A Ray Train training function that runs sn_trainer's own Trainer on its node's cores, the nodes joined by
+    SNNodesConfig, a checkpoint every step; the first node writes OUT/params.pt. With ``lose_node=k``, node k's
+    Ray worker (the node's Trainer, whose workers end with it) is SIGKILLed after step 3, once (its flag file
+    stays): the node is lost mid-run, as a machine that goes down loses it."""
+    import functools
+    import signal
+
+    from helpers import SmallConvNet, tiny_dataset
+    from sn_trainer import Callback, Trainer
+    from sn_trainer.integrations.ray import node_cluster
+
+    class LoseThisNode(Callback):
+        def on_step_end(self, trainer, record) -> None:
+            if record.step == 3:
+                try:
+                    os.close(os.open(os.path.join(config["out"], "flag"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    cluster = node_cluster()
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    lost = [LoseThisNode()] if cluster.node_rank == config.get("lose_node", -1) else []
+    result = Trainer(cluster=cluster, workers=config["workers"], threads=1, batch_size=12, max_steps=5, seed=3,
+                     comm="shm", log_every=1, checkpoint_dir=config.get("checkpoint_dir"),
+                     checkpoint_every_steps=1).fit(model, tiny_dataset(), optimizer=sgd, callbacks=lost)
+    if cluster.is_leader:
+        torch.save({"state": model.state_dict(), "nodes": cluster.nodes, "restart_count": cluster.restart_count,
+                    "first_step": result.history[0]["step"] if result.history else None},
+                   os.path.join(config["out"], "params.pt"))

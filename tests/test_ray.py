@@ -7,6 +7,7 @@ its own with its threads; a refusal reaches the driver in its one line. The deci
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +22,13 @@ from sn_trainer.node.topology import PhysicalCore, Topology, read_topology
 def ray_node():
     """A local Ray cluster of one node with 2 CPUs (no dashboard), for the whole module."""
     import ray
-    import ray.cloudpickle
 
-    ray.cloudpickle.register_pickle_by_value(ray_jobs)  # the workers cannot import the tests' modules
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ray_jobs.QUICK.items():
             patch.setenv(name, value)  # read by the processes ray.init starts
+        # the workers import the tests' modules by name
+        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
+                                                   if p))
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             yield ray
@@ -127,3 +129,23 @@ def test_each_local_rank_gets_physical_cores_of_its_own_and_threads_to_match(cor
                                                                              expected):
     machine = topology(cores, smt)
     assert [ray_placement.plan(machine, rank, workers, allotment) for rank in range(workers)] == expected
+
+
+@pytest.mark.unit
+def test_two_ray_workers_on_one_machine_are_refused_for_the_trainer_in_one_line():
+    from sn_trainer.integrations import ray_nodes
+
+    ray_nodes.one_per_machine([("a", "node-a", 2), ("b", "node-b", 2)])
+    with pytest.raises(ConfigError) as refused:
+        ray_nodes.one_per_machine([("a", "node-a", 2), ("b", "node-b", 2), ("a", "node-a", 2)])
+    assert str(refused.value) == (
+        "2 Ray workers run on node-a: SNNodesConfig runs one per node, whose Trainer starts that node's workers itself; "
+        "use ScalingConfig(num_workers=<nodes>, placement_strategy='STRICT_SPREAD', resources_per_worker={'CPU': 2})")
+
+
+@pytest.mark.unit
+def test_node_cluster_outside_a_ray_run_says_how_to_get_one():
+    from sn_trainer.integrations import ray_nodes
+
+    with pytest.raises(ConfigError, match=r"torch_config=SNNodesConfig\(\)"):
+        ray_nodes.node_cluster()
