@@ -36,6 +36,7 @@ def ray_node():
             ray.shutdown()
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(240)
 def test_a_ray_train_ddp_script_trains_on_sn_to_the_bits_of_gloo_each_worker_pinned(ray_node, tmp_path):
     from ray.train.torch import TorchConfig

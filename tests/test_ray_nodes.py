@@ -60,6 +60,7 @@ def assert_ran_on_sn_across_two_machines(sn: list[dict]) -> None:
         assert (found["affinity"], found["threads"]) == (list(found["placement"].cpus), found["placement"].threads)
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(240)
 def test_one_worker_on_each_of_two_nodes_trains_to_the_bits_of_gloo(two_nodes, tmp_path):
     from ray.train.torch import TorchConfig
