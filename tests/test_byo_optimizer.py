@@ -154,7 +154,7 @@ def test_adafactor_gets_whole_tensors_and_equals_plain_pytorch(workers):
                                                              "Adafactor"}
     assert {"threads", "channels_last", "prefetch", "pin", "comm"} <= set(decided)
     assert decided["comm"]["value"] == result.comm and decided["comm"]["why"].startswith("comm=auto: ")
-    assert all(d["why"].startswith(f"{name}=auto: ") for name, d in decided.items())
+    assert all(f"{name}=auto" in d["why"] for name, d in decided.items())
     # Given 1-d slices (elementwise shards), Adafactor cannot factor a matrix: it trains something else.
     Trainer(workers=workers, batch_size=7, max_steps=4, seed=3, shards="elements").fit(sliced, tiny_dataset(dtype=F64),
                                                                                        optimizer=adafactor)

@@ -609,3 +609,26 @@ def test_a_callback_reads_the_weights_of_the_step_it_is_told_of():
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     for got, want in zip(seen.ema.parameters(), expected_ema.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.unit
+def test_a_stale_rendezvous_folder_another_run_removes_first_is_no_error(tmp_path, monkeypatch):
+    """Two runs starting together (two nodes' Trainers of one machine, restarted at once) each remove
+    the folder a killed launcher left: the one that finds it gone already goes on."""
+    import psutil
+    import tempfile
+
+    from sn_trainer.fit import session
+
+    stale = tmp_path / "sn_trainer-999999999-left"
+    stale.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def gone_meanwhile(pid):  # the other run removes it between this run's listing and its look at it
+        if stale.exists():
+            stale.rmdir()
+        return False
+
+    monkeypatch.setattr(psutil, "pid_exists", gone_meanwhile)
+    made = session.rendezvous_dir()
+    assert os.path.isdir(made) and os.path.dirname(made) == str(tmp_path) and not stale.exists()

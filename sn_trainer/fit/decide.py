@@ -102,12 +102,12 @@ def pinned(pin: bool | str, topology: Topology) -> tuple[bool, str | None]:
         return bool(pin), None
     busy = other_work()
     if busy >= OTHER_WORK_CORES:
-        why = (f"pin=auto: other processes keep {busy:.1f} of this machine's {topology.usable_cores} usable cores "
-               "busy: the workers are not pinned, so that the OS can move each off a core that other work shares; "
+        why = (f"other processes keep {busy:.1f} of this machine's {topology.usable_cores} usable cores busy: the "
+               "workers are not pinned (pin=auto), so that the OS can move each off a core that other work shares; "
                "pin=true pins them")
         log.warning(why)
         return False, why
-    why = (f"pin=auto: the workers are pinned to cores of their own (other processes keep {busy:.1f} of the "
+    why = (f"the workers are pinned to cores of their own (pin=auto: other processes keep {busy:.1f} of the "
            f"{topology.usable_cores} usable cores busy)")
     log.info(why)
     return True, why

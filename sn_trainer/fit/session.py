@@ -239,6 +239,9 @@ def rendezvous_dir() -> str:
             pid = int(stale.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not psutil.pid_exists(pid) and stale.stat().st_uid == os.getuid():
-            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            if pid != os.getpid() and not psutil.pid_exists(pid) and stale.stat().st_uid == os.getuid():
+                shutil.rmtree(stale, ignore_errors=True)
+        except FileNotFoundError:  # another run starting beside this one removed it first
+            continue
     return tempfile.mkdtemp(prefix=f"sn_trainer-{os.getpid()}-")
