@@ -19,6 +19,7 @@ class Decision:
     setting: str
     value: Any
     why: str
+    fallback: bool = False  # asked for, but not to be had here: what ran instead
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,12 @@ class Placement:
     pinning: tuple[tuple[int, ...], ...]  # each worker's logical CPUs: one entry per worker of this node
     nodes: int
     node_rank: int
-    notes: tuple[str, ...]  # what was asked for but could not be had here, and what ran instead
     decisions: tuple[Decision, ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What was asked for but could not be had here, and what ran instead."""
+        return tuple(d.why for d in self.decisions if d.fallback)
 
     @property
     def workers(self) -> int:

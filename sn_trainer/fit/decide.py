@@ -45,13 +45,11 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
         raise ConfigError(f"batch_size={config.batch_size} is smaller than workers={workers}"
                           f"{f' x {nodes} nodes' if nodes > 1 else ''}: every worker needs at least one "
                           "sample; raise batch_size or lower workers")
-    notes: list[str] = []
     precision = config.precision
     if precision == "bf16" and not bf16_supported():
-        notes.append("precision=bf16 asked for, fp32 ran: this CPU has no native bfloat16 (avx512_bf16 or AMX), "
-                     "and emulated bf16 is slower here than fp32")
         precision = "fp32"
-        decided.append(Decision("precision", precision, notes[-1]))
+        decided.append(Decision("precision", precision, "precision=bf16 asked for, fp32 ran: this CPU has no native "
+                                "bfloat16 (avx512_bf16 or AMX), and emulated bf16 is slower here than fp32", True))
     runtime = Runtime(config.allocator if config.allocator != "auto" else (tuned or {}).get("allocator", "system"),
                       config.openmp if config.openmp != "auto" else (tuned or {}).get("openmp", "gnu"))
     for name in ("allocator", "openmp"):
@@ -62,24 +60,24 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
     runtime.libraries()  # installed, or say how to install them
     start_method = config.start_method
     if start_method == "forkserver" and not starts_warm(start_method, runtime):
-        notes.append(f"{runtime}: this process's warm workers run another allocator or OpenMP, so these "
-                     "workers were spawned (cold) with it")
         start_method = "spawn"
-        decided.append(Decision("start_method", start_method, notes[-1]))
-    asked = len(notes)
-    comm = choose_reducer(config.comm, workers, notes)
-    if len(notes) > asked:
-        decided.append(Decision("comm", comm, notes[-1]))
+        decided.append(Decision("start_method", start_method, f"{runtime}: this process's warm workers run another "
+                                "allocator or OpenMP, so these workers were spawned (cold) with it", True))
+    instead: list[str] = []
+    comm = choose_reducer(config.comm, workers, instead)
+    if instead:
+        decided.append(Decision("comm", comm, instead[0], True))
     elif config.comm == "auto" and comm != "auto":
         decided.append(Decision("comm", comm, "comm=auto: one worker has nothing to sum"))
     compress = config.compress
     if compress != "none" and nodes == 1:
-        notes.append(f"compress={compress} asked for, none ran: compress applies between nodes only, and this run "
-                     "is one node (its workers sum exactly in shared memory)")
         compress = "none"
-        decided.append(Decision("compress", compress, notes[-1]))
-    for note in notes:
-        log.warning(note)
+        decided.append(Decision("compress", compress, f"compress={config.compress} asked for, none ran: compress "
+                                "applies between nodes only, and this run is one node (its workers sum exactly in "
+                                "shared memory)", True))
+    for decision in decided:
+        if decision.fallback:
+            log.warning(decision.why)
     pin, why = pinned(config.pin, topology)
     if why:
         decided.append(Decision("pin", pin, why))
@@ -90,8 +88,7 @@ def place(config: TrainerConfig, topology: Topology, cluster: Cluster | None,
                                    compress=compress, allocator=runtime.allocator, openmp=runtime.openmp,
                                    start_method=start_method, pin=pin)
     pinning = plan_pinning(topology, workers, threads) if pin else [() for _ in range(workers)]
-    return settings, Placement(tuple(pinning), nodes, cluster.node_rank if cluster else 0, tuple(notes),
-                               tuple(decided))
+    return settings, Placement(tuple(pinning), nodes, cluster.node_rank if cluster else 0, tuple(decided))
 
 
 def pinned(pin: bool | str, topology: Topology) -> tuple[bool, str | None]:
