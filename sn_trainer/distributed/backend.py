@@ -55,6 +55,9 @@ class SnBackend(C10dBackend):
         # Every group made on this store gets keys of its own: the ranks make groups in the same order,
         # so each rank's own count of them names the same group in every rank.
         store = dist.PrefixStore(f"sn/{store.add(f'sn/made/{rank}', 1)}", store)
+        # Made first: a rank whose gloo mesh is complete could otherwise leave (and close its end) while a
+        # slower rank's is still connecting; the roll call of machines below waits for every rank's entry.
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         machines = machines_of(store, rank, size)
         if len(set(machines)) == 1:
             self._collectives = group_on_store(store, rank, size, timeout, SLOT_BYTES)
@@ -63,7 +66,6 @@ class SnBackend(C10dBackend):
         self._group = self._collectives.group
         if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's agent
             self._group.before_naming_gone = reaped_by_the_agent
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         self._handed_to_gloo: set[str] = set()
         self._channel = Channel()
 
