@@ -3,8 +3,10 @@
 # after ruff's check of the code, in tiers: the unit tier (-m unit: tests that start no process,
 # seconds in all), then the tests that start processes:
 # bash scripts/test.sh
-# Then the equivalence core again with ATen's portable kernels (default) and with AVX2's: every
-# CPU's kernels round differently, and the exactness tests must hold on all of them. The core is the
+# Then the equivalence core again with ATen's portable kernels (default), and on AVX2's its contract
+# (-m contract: the modules that hold it against independent plain-PyTorch loops in float64) with the
+# quick tests of the rest: every CPU's kernels round differently, and the exactness tests must hold on
+# all of them. The core is the
 # modules whose assertions rest on arithmetic (the step, models, optimizers, losses, collectives,
 # decoded and augmented images); the modules about which samples are read in which order, and who
 # owns a folder (streams, Hugging Face datasets, seams, run_owns, self-shuffling, order), run once:
@@ -43,9 +45,11 @@ for kernels in default avx2; do
         echo "equivalence tests with ATEN_CPU_CAPABILITY=avx2: already run above, this machine's best kernels are AVX2's"
         continue
     fi
-    echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels"
+    tier=${QUICK:+quick}
+    [ "$kernels" = avx2 ] && [ -z "$QUICK" ] && tier="quick or contract"
+    echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels${tier:+ (-m $tier)}"
     # With the portable kernels, the shared-memory collectives run their Python path too (no C core).
     native=1; [ "$kernels" = default ] && native=0
-    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q ${QUICK:+-m quick} \
+    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q ${tier:+-m "$tier"} \
         $EQUIVALENCE "$@"
 done

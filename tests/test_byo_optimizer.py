@@ -16,7 +16,7 @@ from sn_trainer.checkpoint import CheckpointDir
 from sn_trainer import checkpoint
 from sn_trainer.optim import ELEMENTWISE
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.contract]
 
 
 def decay_matrices_only(model, weight_decay=0.1, lr_no_decay=0.02):

@@ -8,7 +8,7 @@ import torch
 from helpers import SmallConvNet, assert_exact, cross_entropy, plain_fit, tiny_dataset
 from sn_trainer import Trainer
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.contract]
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3),

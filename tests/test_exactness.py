@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from helpers import SmallConvNet, assert_exact, plain_fit, tiny_dataset
 from sn_trainer import ConfigError, Trainer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.contract]
 F64 = torch.float64
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3)
 
