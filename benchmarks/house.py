@@ -9,9 +9,10 @@ Prints:
   ``CheckpointConfig.dir`` is ``checkpoint_dir``), how many such fields, how many of them with a
   default of their own, and the most declarations of any one setting;
 - the engine's face: the imports from outside ``engine/`` of a module inside one of its rooms
-  (``engine.<room>.<module>``), as pairs of (importing module, engine module);
+  (``engine.<room>.<module>``), or of a name its face does not offer;
 - namesakes: file names that two modules share, and modules named like one of the package's folders;
 - sizes: the modules over 400 lines and the classes over 250;
+  these three with the readings tests/test_structure.py checks (it imports them from here);
 - what each of three extensions touches, as the modules that name the kinds it adds to:
   a data source (modules naming a class with ``micro_slice``, or comparing with a source kind's
   string), a reducer (modules naming a reducer kind: a class with ``reduce``, ``barrier`` and a
@@ -192,66 +193,100 @@ def extension_report(mods: dict[str, ast.Module]) -> list[str]:
             for line in out]
 
 
-def module_of(path: str) -> str:
-    """``sn_trainer/engine/step/board.py`` -> ``sn_trainer.engine.step.board`` (a package: its name)."""
-    parts = path[:-3].split("/")
+# The limits and the engine's face that tests/test_structure.py holds the house to: it imports these
+# readings, so that what this script counts and what the tests check cannot drift apart.
+ENGINE_FACE_MODULES = {"plan", "worker", "events"}  # the engine's top modules; the rest lives in its rooms
+# A module a reader takes in at one sitting, a class one can hold in mind (docs/contributing.md, "The house").
+MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250
+PACKAGE = harness.ROOT / "sn_trainer"
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """``<package>/engine/step/board.py`` -> ``sn_trainer.engine.step.board`` (a package: its name)."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """Every module path an import names, relative ones resolved (``from p import m`` counts ``p.m``)."""
-    package = module if is_package else module.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+def package_of(path: Path, package: Path = PACKAGE) -> str:
+    name = module_name(path, package)
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parent + ([base] if base else []))
+    return base
+
+
+def engine_face(package: Path = PACKAGE) -> set[str]:
+    """The names the engine's package offers: the keys of FACE in its __init__.py, read from the source."""
+    init = package / "engine" / "__init__.py"
+    for node in ast.walk(ast.parse(init.read_text())) if init.exists() else ():
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "FACE" in ast.unparse(node).split("=")[0]:
+            return {key.value for key in node.value.keys}
+    return set()
+
+
+def behind_the_engine_face(package: Path = PACKAGE) -> list[str]:
+    """Every import, from outside the engine, of a module inside one of its rooms, or of a name its
+    face does not offer (lazy imports inside functions included)."""
+    face, offenders = engine_face(package), []
+    for path in sorted(package.rglob("*.py")):
+        name = module_name(path, package)
+        if name.startswith("sn_trainer.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = from_module(node, package_of(path, package))
+                taken = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                base, taken = None, [alias.name for alias in node.names]
+            else:
+                continue
+            for target in [base] if base is not None else taken:
+                parts = target.split(".")
+                if parts[:2] != ["sn_trainer", "engine"]:
+                    continue
+                if len(parts) > 2 and parts[2] not in ENGINE_FACE_MODULES:
+                    offenders.append(f"{name} imports {target}")
+                elif len(parts) == 2 and base is not None:
+                    offenders += [f"{name} takes {t} from the engine, which its face does not offer"
+                                  for t in taken if t not in face and t not in ENGINE_FACE_MODULES]
+    return offenders
+
+
+def namesakes(package: Path = PACKAGE) -> list[str]:
+    """File names two modules share, and modules named like one of the package's folders (``__init__``
+    and ``__main__`` aside)."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(path.relative_to(package.parent).as_posix())
+    folders = {init.parent.name for init in package.rglob("__init__.py")}
+    found = [f"{name} is {' and '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
+    found += [f"{path} is named like the folder {name[:-3]}/" for name, paths in by_name.items()
+              for path in paths if name[:-3] in folders]
     return found
 
 
-def face_report(mods: dict[str, ast.Module]) -> list[str]:
-    known = {module_of(p) for p in mods}
-    pairs = set()
-    for path, tree in mods.items():
-        name = module_of(path)
-        if name.startswith("sn_trainer.engine"):
-            continue
-        for target in imported(tree, name, path.endswith("__init__.py")):
-            parts = target.split(".")
-            if target in known and parts[:2] == ["sn_trainer", "engine"] and len(parts) >= 4:
-                pairs.add((name, target))
-    reached = sorted({t for _, t in pairs})
-    return [f"engine modules inside its rooms imported from outside the engine: {len(reached)}, in {len(pairs)} pairs",
-            *(f"  {t}: from {', '.join(sorted(s.removeprefix('sn_trainer.') for s, u in pairs if u == t))}"
-              for t in reached)]
+def too_long(package: Path = PACKAGE) -> list[str]:
+    """The modules over MAX_MODULE_LINES lines and the classes over MAX_CLASS_LINES."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        text, where = path.read_text(), path.relative_to(package.parent).as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{where}: {lines} lines")
+        found += [f"{where}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
+                  for node in ast.walk(ast.parse(text))
+                  if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    return found
 
 
-def namesake_report(mods: dict[str, ast.Module]) -> list[str]:
-    by_name = defaultdict(list)
-    folders = {Path(p).parent.name for p in mods if p.endswith("/__init__.py")}
-    for path in mods:
-        name = Path(path).name
-        if name not in ("__init__.py", "__main__.py"):
-            by_name[name].append(path)
-    shared = {n: ps for n, ps in sorted(by_name.items()) if len(ps) > 1}
-    like_folder = sorted(p for n, ps in by_name.items() for p in ps if n[:-3] in folders)
-    return [f"file names two modules share: {len(shared)}",
-            *(f"  {n}: {', '.join(ps)}" for n, ps in shared.items()),
-            f"modules named like a folder of the package: {len(like_folder)}",
-            *(f"  {p}" for p in like_folder)]
-
-
-def size_report(mods: dict[str, ast.Module], texts: dict[str, int]) -> list[str]:
-    big_modules = sorted(((n, p) for p, n in texts.items() if n > 400), reverse=True)
-    big_classes = sorted(((c.end_lineno - c.lineno + 1, f"{p}:{c.name}") for p, tree in mods.items()
-                          for c in classes(tree) if c.end_lineno - c.lineno + 1 > 250), reverse=True)
-    return [f"modules over 400 lines: {len(big_modules)}", *(f"  {n:4d}  {p}" for n, p in big_modules),
-            f"classes over 250 lines: {len(big_classes)}", *(f"  {n:4d}  {p}" for n, p in big_classes)]
+def listed(title: str, found: list[str]) -> list[str]:
+    return [f"{title}: {len(found)}", *(f"  {line}" for line in found)]
 
 
 def main() -> None:
@@ -270,10 +305,9 @@ def main() -> None:
         print(f"  {lines:4d}  {where}")
     for line in settings_report(mods):
         print(line)
-    for line in face_report(mods) + namesake_report(mods):
-        print(line)
-    texts = {str(p.relative_to(package.parent)): len(p.read_text().splitlines()) for p in package.rglob("*.py")}
-    for line in size_report(mods, texts):
+    for line in (listed("imports behind the engine's face (tests/test_structure.py)", behind_the_engine_face(package))
+                 + listed("namesakes", namesakes(package))
+                 + listed(f"modules over {MAX_MODULE_LINES} lines and classes over {MAX_CLASS_LINES}", too_long(package))):
         print(line)
     print("files an extension touches:")
     for line in extension_report(mods):

@@ -9,12 +9,18 @@ modules (MAX_MODULES): the engine's old flat layout, 30 modules side by side, fa
 (test_the_old_flat_engine_fails_the_room_checks).
 """
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 import sn_trainer
 from sn_trainer.config import setting_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# The readings benchmarks/house.py counts for a before/after are the ones checked here.
+from house import (MAX_CLASS_LINES, MAX_MODULE_LINES, behind_the_engine_face,  # noqa: E402
+                   engine_face, from_module, module_name, namesakes, package_of, too_long)
 
 PACKAGE = Path(sn_trainer.__file__).parent
 
@@ -54,10 +60,8 @@ ENGINE_ROOMS = {
     "step": 5,  # one step and evaluation in a worker: replica, phases, batch norm, board, verification
     "worker": 6,  # one worker process's life
 }
-ENGINE_FACE_MODULES = {"plan", "worker", "events"}
-
-# A module a reader takes in at one sitting, a class one can hold in mind (docs/contributing.md, "The house").
-MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250
+# The face's top modules (ENGINE_FACE_MODULES) and the limits MAX_MODULE_LINES and MAX_CLASS_LINES are
+# benchmarks/house.py's.
 
 # A folder is a room a reader can enter (docs/contributing.md, "The house"): past a dozen modules, its parts
 # deserve sub-packages of their own.
@@ -68,11 +72,6 @@ MAX_MODULES = 12
 DOORWAYS = {
     "sn_trainer.tuner.__main__": "sn_trainer.cli.tune",  # the tuner's command line calibrates with the Trainer
 }
-
-
-def module_name(path: Path, package: Path = PACKAGE) -> str:
-    parts = path.relative_to(package.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_modules(path: Path, package: str) -> set[str]:
@@ -86,11 +85,6 @@ def imported_modules(path: Path, package: str) -> set[str]:
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}  # from .. import checkpoint
     return found
-
-
-def package_of(path: Path, package: Path = PACKAGE) -> str:
-    name = module_name(path, package)
-    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
 
 
 def layer(module: str) -> int | None:
@@ -121,16 +115,6 @@ def own_imports(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
-def from_module(node: ast.ImportFrom, package: str) -> str:
-    """The module a ``from ... import`` names, relative imports resolved."""
-    base = node.module or ""
-    if node.level:
-        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-        base = ".".join(parent + ([base] if base else []))
-    return base
-
-
-@pytest.mark.unit
 def test_imported_modules_resolves_relative_imports(tmp_path):
     source = tmp_path / "x.py"
     source.write_text("from .. import checkpoint\nfrom ..report.machine import f\ndef g():\n    import json\n")
@@ -160,7 +144,7 @@ def test_no_module_imports_a_higher_layer():
 
 def test_every_main_module_is_checked_at_its_packages_layer():
     mains = {name for name in own_imports() if name.endswith(".__main__")}
-    assert mains == {module_name(p) for p in PACKAGE.rglob("__main__.py")} and "sn_trainer.tuner.__main__" in mains
+    assert mains == {module_name(p, PACKAGE) for p in PACKAGE.rglob("__main__.py")} and "sn_trainer.tuner.__main__" in mains
     assert layer("sn_trainer.report.__main__") == LAYERS["report"] < layer("sn_trainer.__main__")
 
 
@@ -227,7 +211,7 @@ def test_the_layer_check_fails_on_an_import_back_up(tmp_path):
 def test_no_engine_module_imports_the_checkpoint_file_or_reporting():
     offenders = []
     for path in sorted((PACKAGE / "engine").rglob("*.py")):
-        for module in imported_modules(path, package_of(path)):
+        for module in imported_modules(path, package_of(path, PACKAGE)):
             if module.split(".")[:2] in (["sn_trainer", "checkpoint"], ["sn_trainer", "report"]):
                 offenders.append(f"{path.name} imports {module}")
     assert offenders == []
@@ -316,46 +300,9 @@ def test_the_old_flat_engine_fails_the_room_checks(tmp_path):
 
 # --- the engine's face ----------------------------------------------------------------------------
 
-def engine_face(package: Path = PACKAGE) -> set[str]:
-    """The names the engine's package offers: the keys of FACE in its __init__.py, read from the source."""
-    for node in ast.walk(ast.parse((package / "engine" / "__init__.py").read_text())):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "FACE" in ast.unparse(node).split("=")[0]:
-            return {key.value for key in node.value.keys}
-    return set()
-
-
-def behind_the_engine_face(package: Path = PACKAGE) -> list[str]:
-    """Every import, from outside the engine, of a module inside one of its rooms, or of a name its
-    face does not offer (lazy imports inside functions included)."""
-    face, offenders = engine_face(package), []
-    for path in sorted(package.rglob("*.py")):
-        name = module_name(path, package)
-        if name.startswith("sn_trainer.engine"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = from_module(node, package_of(path, package))
-                taken = [alias.name for alias in node.names]
-            elif isinstance(node, ast.Import):
-                base, taken = None, [alias.name for alias in node.names]
-            else:
-                continue
-            targets = [base] if base is not None else taken
-            for target in targets:
-                parts = target.split(".")
-                if parts[:2] != ["sn_trainer", "engine"]:
-                    continue
-                if len(parts) > 2 and parts[2] not in ENGINE_FACE_MODULES:
-                    offenders.append(f"{name} imports {target}")
-                elif len(parts) == 2 and base is not None:
-                    offenders += [f"{name} takes {t} from the engine, which its face does not offer"
-                                  for t in taken if t not in face and t not in ENGINE_FACE_MODULES]
-    return offenders
-
-
 @pytest.mark.unit
 def test_the_engine_is_entered_only_through_its_face():
-    assert behind_the_engine_face() == []
+    assert behind_the_engine_face(PACKAGE) == []
 
 
 def test_every_name_of_the_engine_face_is_there():
@@ -363,7 +310,7 @@ def test_every_name_of_the_engine_face_is_there():
     Not a unit test: loading the reducers may build the shared-memory collectives' C core."""
     import sn_trainer.engine as engine
 
-    assert engine_face() == set(engine.FACE) and engine_face()
+    assert engine_face(PACKAGE) == set(engine.FACE) and engine_face(PACKAGE)
     missing = []
     for name in engine.FACE:
         try:
@@ -393,40 +340,14 @@ def test_an_import_behind_the_engine_face_is_found(tmp_path):
 
 # --- names that explain themselves, and modules short enough to read ----------------------------
 
-def namesakes(package: Path = PACKAGE) -> list[str]:
-    """File names two modules share, and modules named like one of the package's folders (``__init__``
-    and ``__main__`` aside)."""
-    by_name: dict[str, list[str]] = {}
-    for path in sorted(package.rglob("*.py")):
-        if path.name not in ("__init__.py", "__main__.py"):
-            by_name.setdefault(path.name, []).append(path.relative_to(package.parent).as_posix())
-    folders = {init.parent.name for init in package.rglob("__init__.py")}
-    found = [f"{name} is {' and '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
-    found += [f"{path} is named like the folder {name[:-3]}/" for name, paths in by_name.items()
-              for path in paths if name[:-3] in folders]
-    return found
-
-
-def too_long(package: Path = PACKAGE) -> list[str]:
-    found = []
-    for path in sorted(package.rglob("*.py")):
-        text, where = path.read_text(), path.relative_to(package.parent).as_posix()
-        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
-            found.append(f"{where}: {lines} lines")
-        found += [f"{where}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
-                  for node in ast.walk(ast.parse(text))
-                  if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
-    return found
-
-
 @pytest.mark.unit
 def test_no_two_modules_share_a_name_and_none_is_named_like_a_folder():
-    assert namesakes() == []
+    assert namesakes(PACKAGE) == []
 
 
 @pytest.mark.unit
 def test_no_module_over_400_lines_and_no_class_over_250():
-    assert too_long() == []
+    assert too_long(PACKAGE) == []
 
 
 @pytest.mark.unit
