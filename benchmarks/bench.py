@@ -4,7 +4,10 @@
 (b) ddp:   DistributedDataParallel on gloo, W processes pinned to a core each, 1 thread each;
 (c) sn:    sn_trainer with W workers (comm=auto), 1 thread each;
 (d) ideal: W independent pinned processes, each training its own replica on B/W samples with
-           no communication at all: the ceiling of data parallelism on this machine.
+           no communication at all: the ceiling of data parallelism on this machine;
+(e) ideal in lockstep: the same, meeting at a barrier (multiprocessing's) before each update and
+           moving no data: the ceiling of synchronous data parallelism, where every step waits for
+           the slowest worker's step.
 Every image case runs in fp32 with contiguous tensors, in fp32 with channels_last (sn_trainer's
 default for conv nets without batch norm, given to every variant alike), and in bf16 with
 channels_last; batch-norm nets also with sn_trainer's sync_batchnorm (its cost); a small GPT
@@ -55,7 +58,7 @@ import harness
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
           "resnet18": (3, 64, 64)}
 GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # the gpt_text preset's size
-VARIANTS = ("plain", "ddp", "sn", "ideal")
+VARIANTS = ("plain", "ddp", "sn", "ideal", "ideal_lockstep")
 RESULT = "bench"
 
 
@@ -119,8 +122,10 @@ def sgd():
 
 # --- the loop every baseline runs: plain PyTorch, nothing of sn_trainer's ----------------------
 
-def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, start_line=None) -> float:
-    """Train ``timing.warmup`` + ``timing.steps`` steps on ``batch`` samples each; seconds of the latter."""
+def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, start_line=None,
+               step_line=None) -> float:
+    """Train ``timing.warmup`` + ``timing.steps`` steps on ``batch`` samples each; seconds of the latter.
+    With ``step_line``, every process meets there before each update."""
     inputs, targets = data.tensors
     if case.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -141,6 +146,8 @@ def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, s
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
             out = net(x)
         batch_loss(case, out, targets[idx]).backward()
+        if step_line is not None:
+            step_line.wait()
         opt.step()
     return time.perf_counter() - start
 
@@ -174,10 +181,10 @@ def ddp_worker(rank, case, timing, pinning, store, data, queue):
     os._exit(0)
 
 
-def ideal_worker(rank, case, timing, pinning, start_line, data, queue):
+def ideal_worker(rank, case, timing, pinning, start_line, step_line, data, queue):
     _pin(pinning[rank], 1)
     lo, hi = slice_bounds(case.batch, len(pinning), rank)
-    queue.put(timed_loop(make_model(case), data, hi - lo, timing, case, start_line=start_line))
+    queue.put(timed_loop(make_model(case), data, hi - lo, timing, case, start_line=start_line, step_line=step_line))
 
 
 def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
@@ -194,7 +201,7 @@ def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
 
 def runtime_of(variant: str) -> Runtime:
     """The runtime a variant's name asks for: ideal_tcmalloc, sn_jemalloc_intel (OpenMP), sn (defaults)."""
-    parts = variant.split("_")[1:]
+    parts = [] if variant == "ideal_lockstep" else variant.split("_")[1:]
     return Runtime(parts[0] if parts else "system", parts[1] if len(parts) > 1 else "gnu")
 
 
@@ -315,11 +322,12 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
             return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store", data)[0]
     if variant.startswith("ideal"):
         start_line = mp.get_context("spawn").Barrier(workers)
+        step_line = mp.get_context("spawn").Barrier(workers) if variant == "ideal_lockstep" else None
         # A global batch is done when its last slice is: like DDP's and sn_trainer's, the
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
         with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
-            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, data))
+            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, step_line, data))
         return case.batch * timing.steps / seconds
     runtime = runtime_of(variant) if variant not in ("sn_sync", "sn_1worker") else default_runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
@@ -403,7 +411,7 @@ def variants_of(case: Case, runtimes: bool = False, launches: tuple[str, ...] | 
 
 def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
     """The fastest of a variant's launches (plain, plain_cpu; sn, sn_tcmalloc...)."""
-    name = max({v for v in med if v == prefix or v.startswith(prefix + "_")} - {"sn_1worker", "sn_sync"},
+    name = max({v for v in med if v == prefix or v.startswith(prefix + "_")} - {"sn_1worker", "sn_sync", "ideal_lockstep"},
                key=med.get)
     return name, med[name]
 
@@ -477,6 +485,8 @@ def main() -> None:
                      "median": med, "min_max": spread, "per_sample": case.per_sample,
                      "sn_over_plain": med["sn"] / med["plain"], "sn_over_ddp": med["sn"] / med["ddp"],
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
+                     "sn_over_lockstep": med["sn"] / med["ideal_lockstep"],
+                     "lockstep_over_ideal": med["ideal_lockstep"] / med["ideal"],
                      "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None,
                      "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
@@ -503,15 +513,16 @@ def markdown(report: dict) -> str:
              f"after {report['warmup']} warm-up (resnet18: a fifth of the steps, a quarter of the warm-up), "
              f"{report['optimizer']}, {report['data']}. Samples/s (tokens/s for the GPT) are medians over rounds "
              "[min-max].", "",
-             "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | sn/plain | sn/DDP | sn/ideal "
-             "| DDP/ideal | sn 1->W | sn GFLOP/s (of peak) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | ideal in lockstep | sn/plain | sn/DDP "
+             "| sn/ideal | DDP/ideal | lockstep/ideal | sn/lockstep | sn 1->W | sn GFLOP/s (of peak) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         med, mm, k = r["median"], r["min_max"], r["per_sample"]
         cell = {v: f"{k * med[v]:.0f} [{k * mm[v][0]:.0f}-{k * mm[v][1]:.0f}]" for v in VARIANTS}
         lines.append(f"| {r['case']} | {r['per_worker_batch']:g} | {cell['plain']} | {cell['ddp']} | {cell['sn']} "
-                     f"| {cell['ideal']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} | {r['sn_over_ideal']:.2f} "
-                     f"| {r['ddp_over_ideal']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
+                     f"| {cell['ideal']} | {cell['ideal_lockstep']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} "
+                     f"| {r['sn_over_ideal']:.2f} | {r['ddp_over_ideal']:.2f} | {r['lockstep_over_ideal']:.2f} "
+                     f"| {r['sn_over_lockstep']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
                      f"({100 * r['sn_fraction_of_peak']:.0f}%) |")
     as_shipped = [r for r in report["rows"] if r["channels_last"] and r["sn_over_fp32_plain"] is not None]
     if as_shipped:  # rows whose contiguous fp32 plain PyTorch ran too
