@@ -115,6 +115,7 @@ def own_imports(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
+@pytest.mark.unit
 def test_imported_modules_resolves_relative_imports(tmp_path):
     source = tmp_path / "x.py"
     source.write_text("from .. import checkpoint\nfrom ..report.machine import f\ndef g():\n    import json\n")
