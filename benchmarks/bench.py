@@ -59,6 +59,9 @@ SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn"
           "resnet18": (3, 64, 64)}
 GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # the gpt_text preset's size
 VARIANTS = ("plain", "ddp", "sn", "ideal", "ideal_lockstep")
+# Variants whose name's suffix is no runtime (``sn_jemalloc_intel`` is sn_trainer launched with one):
+# other figures of a row, never a launch of their variant.
+OTHER_FIGURES = frozenset({"ideal_lockstep", "sn_sync", "sn_1worker"})
 RESULT = "bench"
 
 
@@ -201,7 +204,7 @@ def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
 
 def runtime_of(variant: str) -> Runtime:
     """The runtime a variant's name asks for: ideal_tcmalloc, sn_jemalloc_intel (OpenMP), sn (defaults)."""
-    parts = [] if variant == "ideal_lockstep" else variant.split("_")[1:]
+    parts = [] if variant in OTHER_FIGURES else variant.split("_")[1:]
     return Runtime(parts[0] if parts else "system", parts[1] if len(parts) > 1 else "gnu")
 
 
@@ -411,8 +414,7 @@ def variants_of(case: Case, runtimes: bool = False, launches: tuple[str, ...] | 
 
 def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
     """The fastest of a variant's launches (plain, plain_cpu; sn, sn_tcmalloc...)."""
-    name = max({v for v in med if v == prefix or v.startswith(prefix + "_")} - {"sn_1worker", "sn_sync", "ideal_lockstep"},
-               key=med.get)
+    name = max({v for v in med if v == prefix or v.startswith(prefix + "_")} - OTHER_FIGURES, key=med.get)
     return name, med[name]
 
 
