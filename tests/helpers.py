@@ -1,6 +1,7 @@
 """Small models, datasets and a reference loop shared by the tests (importable by spawned workers)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -233,6 +234,19 @@ class ReportsPlacement(nn.Module):
         with open(self.path, "a") as log:  # one short append per call: whole lines from every process
             log.write(line + "\n")
         return self.inner(x)
+
+
+@contextlib.contextmanager
+def leaks_checked():
+    """Assert that the block leaves no child process, no new /dev/shm entry and no shared-memory segment
+    that would outlive its processes behind."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    segments_before = kept_segments()
+    yield
+    assert live_children() == []
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert shm_after - shm_before == set()
+    assert kept_segments() - segments_before == set()
 
 
 def kept_segments() -> set[int]:

@@ -5,6 +5,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench  # noqa: E402
 import ddp_bench  # noqa: E402
 import harness  # noqa: E402
+from helpers import leaks_checked  # noqa: E402
 
 
 def _runner():
@@ -50,22 +53,60 @@ def test_an_unknown_name_is_refused_with_the_list():
     assert proc.returncode == 2 and "unknown benchmark benhc" in proc.stderr and "bench: Side by side" in proc.stderr
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", NAMES)
-def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tmp_path, no_leaks):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), name, "--tiny", "--out-dir", str(tmp_path),
+# Each tiny run is mostly processes starting and waiting for each other: two at a time end the lot sooner
+# than one after another, even on 2 cores; what they print is not measured.
+TINY_AT_ONCE = 2
+
+
+@dataclass
+class TinyRun:
+    out_dir: Path
+    code: int
+    output: str
+
+
+def _run_tiny(name: str, out_dir: Path) -> TinyRun:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), name, "--tiny", "--out-dir", str(out_dir),
                            "--timeout", "240"], capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return TinyRun(out_dir, proc.returncode, proc.stdout + proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(request, tmp_path_factory) -> dict:
+    """The benchmarks this session's tests name (all, when none is picked) run at their tiny size,
+    TINY_AT_ONCE at a time, each to a folder of its own; under the key "leaks", what the lot left running
+    or in shared memory (None: nothing)."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_every_benchmark_runs_at_a_tiny_size_to_its_results"] or NAMES
+    folders = [tmp_path_factory.mktemp(name) for name in names]
+    runs: dict = {"leaks": None}
+    try:
+        with leaks_checked(), ThreadPoolExecutor(TINY_AT_ONCE) as pool:
+            runs.update(zip(names, pool.map(_run_tiny, names, folders)))
+    except AssertionError as leak:
+        runs["leaks"] = leak
+    return runs
+
+
+@pytest.mark.timeout(900)  # the first test to ask waits for them all
+@pytest.mark.parametrize("name", NAMES)
+def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tiny_runs):
+    run = tiny_runs[name]
+    assert run.code == 0, run.output[-3000:]
     result = {b.name: b for b in runner.benchmarks()}[name].result
     if result is None:  # the house prints what it counts
-        assert "Trainer class:" in proc.stdout and "files an extension touches:" in proc.stdout
+        assert "Trainer class:" in run.output and "files an extension touches:" in run.output
         return
-    table = tmp_path.joinpath(f"{result}.md").read_text()
+    table = run.out_dir.joinpath(f"{result}.md").read_text()
     assert f"`python benchmarks/{name}.py --tiny`" in table  # how to make it again, --out left out
-    assert str(tmp_path) not in table and "|---" in table
+    assert str(run.out_dir) not in table and "|---" in table
     if name != "launch_starts":  # which appends tables to its .md only
-        figures = json.loads(tmp_path.joinpath(f"{result}.json").read_text())
+        figures = json.loads(run.out_dir.joinpath(f"{result}.json").read_text())
         assert figures["machine"]["physical_cores"] >= 1
+
+
+def test_the_tiny_runs_leave_no_process_or_shared_memory_behind(tiny_runs):
+    assert tiny_runs["leaks"] is None, tiny_runs["leaks"]
 
 
 def test_a_benchmark_over_its_time_is_stopped_with_its_processes(tmp_path, monkeypatch, no_leaks):
