@@ -219,8 +219,8 @@ class Bomb(nn.Module):
 
 
 class ReportsPlacement(nn.Module):
-    """Wraps a model; every forward in a worker appends this process's pid, CPUs and torch thread
-    counts to a JSON-lines file, so a test sees where each worker really ran."""
+    """Wraps a model; every forward in a worker appends this process's pid, session, CPUs and torch
+    thread counts to a JSON-lines file, so a test sees where each worker really ran."""
 
     def __init__(self, inner: nn.Module, path: str):
         super().__init__()
@@ -229,7 +229,7 @@ class ReportsPlacement(nn.Module):
     def forward(self, x):
         if not in_a_worker():  # the rehearsal's calls, wherever it runs, are no worker's
             return self.inner(x)
-        line = json.dumps({"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+        line = json.dumps({"pid": os.getpid(), "session": os.getsid(0), "cpus": sorted(os.sched_getaffinity(0)),
                            "threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads()})
         with open(self.path, "a") as log:  # one short append per call: whole lines from every process
             log.write(line + "\n")

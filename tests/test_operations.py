@@ -28,7 +28,9 @@ SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_method, no_leaks):
-    """The second fit's forkserver workers come from a server that is already warm."""
+    """The second fit's forkserver workers come from a server that is already warm. Each worker leads a
+    session of its own: where the kernel shares CPU time between sessions first (autogroup), the run's
+    workers then weigh as much as other programs' processes, not all of them together as much as one."""
     earlier = set()
     for fit_index in range(2):
         log = tmp_path / f"fit-{fit_index}.jsonl"
@@ -44,6 +46,7 @@ def test_warm_and_cold_workers_are_pinned_and_threaded_as_asked(tmp_path, start_
         cpus = [set(seen[0]["cpus"]) for seen in workers.values()]
         assert all(len(c) == 1 for c in cpus) and not cpus[0] & cpus[1], cpus
         assert all(c["threads"] == 1 and c["interop"] == 1 for seen in workers.values() for c in seen), workers
+        assert all(c["session"] == pid for pid, seen in workers.items() for c in seen), workers
         assert not earlier & workers.keys()  # every fit has processes of its own
         earlier |= workers.keys()
 

@@ -86,6 +86,20 @@ def _die_with_launcher(launcher_pid: int) -> None:
         threading.Thread(target=_exit_with, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
 
 
+def _own_session() -> None:
+    """Lead a session of its own. Where the kernel shares CPU time between sessions before the
+    processes in them (autogroup: /proc/sys/kernel/sched_autogroup_enabled), all of a run's workers
+    in the launcher's session weigh together as much as one busy program in a session of its own:
+    each worker, beside such a program, gets a third of its core where a process of its own would
+    get half. Signals still stop the run as before: the launcher, still in its caller's session,
+    sets the stop flags every worker reads, whatever reached it; the kernel still ends a worker
+    with its parent, and the watch above with its launcher."""
+    try:
+        os.setsid()
+    except OSError:  # a session leader already (it cannot be here: it was forked or spawned)
+        pass
+
+
 def allow_open_files() -> None:
     """Raise this process's soft limit of open files to its hard one (the workers inherit it):
     every tensor shared with the workers holds a descriptor, and a model of a thousand tensors
@@ -131,6 +145,7 @@ def _adopt_environment(environment: dict[str, str]) -> None:
 
 def bootstrap(conn: Connection, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
+    _own_session()
     allow_open_files()  # a warm worker's fork server began before the launcher raised its limit
     try:
         # The payload comes through the pipe, not as the process's arguments: its shared tensors are
