@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 
+import psutil
 import pytest
 import torch
 
@@ -199,12 +200,13 @@ LONG_RUN = ["dataset=synthetic", "dataset.train_size=4096", "dataset.test_size=6
             "comm=shm", "max_steps=200", "log_every=1", "checkpoint.every_steps=50", "optim.schedule=step"]
 
 
-def start_cli(args, run_dir, marker, new_session=False):
-    """The CLI in a subprocess; ``new_session``: in a process group of its own, as a scheduler starts jobs."""
+def start_cli(args, run_dir, marker, new_session=False, job=False):
+    """The CLI in a subprocess; ``new_session``: in a process group of its own, as a scheduler starts jobs;
+    ``job``: in a process group of its own in this session, as a shell starts a job in a terminal."""
     env = {**os.environ, "SN_TEST_MARKER": marker}
     return subprocess.Popen([sys.executable, "-m", "sn_trainer", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+                            start_new_session=new_session, **({"process_group": 0} if job else {}))
 
 
 def wait_for_step(run_dir, step, proc, timeout=120):
@@ -274,6 +276,33 @@ def test_a_second_ctrl_c_stops_at_once_without_orphans(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert time.monotonic() - sent < 10
+    assert processes_with_marker(marker) == []
+
+
+def all_in(marker: str, status: str, timeout: float = 30) -> bool:
+    """Whether every process of the run comes to ``status`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        statuses = {p.status() for p in processes_with_marker(marker) if p.is_running()}
+        if statuses == {status}:
+            return True
+        time.sleep(0.05)  # the states of other processes: nothing to wait on instead
+    return False
+
+
+def test_ctrl_z_pauses_the_workers_with_the_launcher_and_fg_continues_them(tmp_path):
+    """Ctrl-Z sends SIGTSTP to the terminal's foreground job (a process group), which the workers,
+    each leading a session of its own, are not in: the launcher stops them with itself, and
+    continues them when it is continued (fg sends the job SIGCONT)."""
+    marker = uuid.uuid4().hex
+    run = tmp_path / "run"
+    proc = start_cli(LONG_RUN, run, marker, job=True)
+    wait_for_step(run, 5, proc)
+    os.killpg(proc.pid, signal.SIGTSTP)
+    assert all_in(marker, psutil.STATUS_STOPPED), [(p.pid, p.status()) for p in processes_with_marker(marker)]
+    os.killpg(proc.pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=200)
+    assert proc.returncode == 0, stderr
     assert processes_with_marker(marker) == []
 
 

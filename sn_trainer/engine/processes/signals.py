@@ -11,6 +11,7 @@ applies to that very step.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -146,3 +147,40 @@ def graceful_stop(flags: StopFlags):
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+
+
+@contextmanager
+def paused_together(workers: Callable[[], list[int]]):
+    """In the launcher, while ``workers()`` (the pids of those still running) run: Ctrl-Z (SIGTSTP)
+    pauses them with the launcher, and the launcher's continuing (``fg``, ``kill -CONT``) continues
+    them. Each worker leads a session of its own, so a terminal's signals reach the launcher alone.
+
+    Outside the main thread, or where SIGTSTP is not at its default, it only yields.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTSTP) is not signal.SIG_DFL:
+        yield
+        return
+
+    def pause(signum, frame):
+        paused = workers()
+        for pid in paused:
+            _send(pid, signal.SIGSTOP)
+        # SIGSTOP rather than SIGTSTP: the kernel drops a SIGTSTP at its default to a process group
+        # without a terminal's job control (a scheduler's), and this one must stop the launcher too.
+        os.kill(os.getpid(), signal.SIGSTOP)
+        for pid in paused:  # continued
+            _send(pid, signal.SIGCONT)
+
+    previous = signal.signal(signal.SIGTSTP, pause)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTSTP, previous)
+
+
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # it ended meanwhile
+        pass

@@ -91,9 +91,10 @@ def _own_session() -> None:
     processes in them (autogroup: /proc/sys/kernel/sched_autogroup_enabled), all of a run's workers
     in the launcher's session weigh together as much as one busy program in a session of its own:
     each worker, beside such a program, gets a third of its core where a process of its own would
-    get half. Signals still stop the run as before: the launcher, still in its caller's session,
-    sets the stop flags every worker reads, whatever reached it; the kernel still ends a worker
-    with its parent, and the watch above with its launcher."""
+    get half. Signals still reach the run through the launcher, still in its caller's session: it
+    sets the stop flags every worker reads, and pauses and continues the workers with itself
+    (signals.paused_together); the kernel still ends a worker with its parent, and the watch above
+    with its launcher."""
     try:
         os.setsid()
     except OSError:  # a session leader already (it cannot be here: it was forked or spawned)

@@ -22,7 +22,7 @@ from ...errors import InputError, WorkerFailed
 from ...node.runtime import Runtime, default_runtime, forget_openmp_registrations
 from . import forkserver
 from .pickling import dumps
-from .signals import StopFlags
+from .signals import StopFlags, paused_together
 from .spawn import EXIT_TRAINS_AT_IMPORT, TRAINS_AT_IMPORT, allow_open_files, bootstrap, context, readable
 from .stages import STAGES, WAITING
 
@@ -154,7 +154,8 @@ def run_workers(
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died before reading its payload: supervision reports how
         inbox = _Inbox(conns)
-        return _supervise(procs, inbox, on_message, watchdog or Watchdog(), tick_s, where)
+        with paused_together(lambda: [proc.pid for proc in procs if proc.exitcode is None]):
+            return _supervise(procs, inbox, on_message, watchdog or Watchdog(), tick_s, where)
     finally:
         _teardown(procs)
         if inbox is not None:
