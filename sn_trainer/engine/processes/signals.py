@@ -7,7 +7,8 @@ names the step every worker stops after; a second signal to the launcher stops a
 launcher's callbacks ask through the same flags: to stop (``ask``), and for a checkpoint of the
 step just evaluated (``save_at``); worker 0 waits after each evaluation (and each awaited progress
 record) until the launcher has heard of it (``acknowledge``), so what the callbacks decide there
-applies to that very step.
+applies to that very step. Ctrl-Z pauses the workers with the launcher (``paused_together``): each
+leads a session of its own, out of reach of a terminal's signals.
 """
 from __future__ import annotations
 
