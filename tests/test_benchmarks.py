@@ -71,27 +71,32 @@ def _run_tiny(name: str, out_dir: Path) -> TinyRun:
     return TinyRun(out_dir, proc.returncode, proc.stdout + proc.stderr)
 
 
+@dataclass
+class TinyRuns:
+    by_name: dict[str, TinyRun]
+    leaks: AssertionError | None  # what the lot left running or in shared memory (None: nothing)
+
+
 @pytest.fixture(scope="module")
-def tiny_runs(request, tmp_path_factory) -> dict:
+def tiny_runs(request, tmp_path_factory) -> TinyRuns:
     """The benchmarks this session's tests name (all, when none is picked) run at their tiny size,
-    TINY_AT_ONCE at a time, each to a folder of its own; under the key "leaks", what the lot left running
-    or in shared memory (None: nothing)."""
+    TINY_AT_ONCE at a time, each to a folder of its own."""
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_every_benchmark_runs_at_a_tiny_size_to_its_results"] or NAMES
     folders = [tmp_path_factory.mktemp(name) for name in names]
-    runs: dict = {"leaks": None}
+    runs = TinyRuns({}, None)
     try:
         with leaks_checked(), ThreadPoolExecutor(TINY_AT_ONCE) as pool:
-            runs.update(zip(names, pool.map(_run_tiny, names, folders)))
+            runs.by_name.update(zip(names, pool.map(_run_tiny, names, folders)))
     except AssertionError as leak:
-        runs["leaks"] = leak
+        runs.leaks = leak
     return runs
 
 
 @pytest.mark.timeout(900)  # the first test to ask waits for them all
 @pytest.mark.parametrize("name", NAMES)
 def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tiny_runs):
-    run = tiny_runs[name]
+    run = tiny_runs.by_name[name]
     assert run.code == 0, run.output[-3000:]
     result = {b.name: b for b in runner.benchmarks()}[name].result
     if result is None:  # the house prints what it counts
@@ -106,7 +111,7 @@ def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tiny_runs):
 
 
 def test_the_tiny_runs_leave_no_process_or_shared_memory_behind(tiny_runs):
-    assert tiny_runs["leaks"] is None, tiny_runs["leaks"]
+    assert tiny_runs.leaks is None, tiny_runs.leaks
 
 
 def test_a_benchmark_over_its_time_is_stopped_with_its_processes(tmp_path, monkeypatch, no_leaks):
