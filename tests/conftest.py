@@ -1,7 +1,10 @@
 import _posixsubprocess
 import contextlib
+import fcntl
 import os
+import shutil
 import subprocess
+import tempfile
 from multiprocessing.process import BaseProcess
 
 import pytest
@@ -57,3 +60,46 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     yield from _unit_tier(item)
+
+
+# Side by side (pytest-xdist, -n): the folder of the lock files that the test processes of one session share.
+_TURNS = "SN_TRAINER_TEST_TURNS"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="sn-trainer-turns-")
+        os.environ[_TURNS] = folder  # the test processes xdist starts next inherit it
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "no_leaks" in item.fixturenames:  # it reads what /dev/shm and the System V segments hold
+            item.add_marker("alone")
+
+
+@contextlib.contextmanager
+def _turn(item):
+    """Under pytest-xdist, a test marked alone runs with no other test beside it; the others run side by
+    side. A readers-writer lock: every test holds the machine's lock shared, an alone one exclusive, and
+    each takes it through a turnstile, so that an alone test waiting for it holds back the tests after it."""
+    folder = os.environ.get(_TURNS)
+    if folder is None or not hasattr(item.config, "workerinput"):
+        yield
+        return
+    mode = fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH
+    with open(os.path.join(folder, "turnstile"), "a") as turnstile, open(os.path.join(folder, "machine"), "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, mode)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _turn(item):
+        yield

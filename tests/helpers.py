@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -240,13 +241,28 @@ class ReportsPlacement(nn.Module):
 def leaks_checked():
     """Assert that the block leaves no child process, no new /dev/shm entry and no shared-memory segment
     that would outlive its processes behind."""
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    segments_before = kept_segments()
+    before = shared_memory()
     yield
     assert live_children() == []
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert shm_after - shm_before == set()
-    assert kept_segments() - segments_before == set()
+    assert shared_memory().new_since(before) == SharedMemory(set(), set())
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedMemory:
+    """What the machine holds that would outlive a process: /dev/shm's entries, and System V segments
+    nothing marked for removal."""
+    entries: set[str]
+    segments: set[int]
+
+    def new_since(self, before: SharedMemory) -> SharedMemory:
+        return SharedMemory(self.entries - before.entries, self.segments - before.segments)
+
+    def still_in(self, now: SharedMemory) -> SharedMemory:
+        return SharedMemory(self.entries & now.entries, self.segments & now.segments)
+
+
+def shared_memory() -> SharedMemory:
+    return SharedMemory(set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(), kept_segments())
 
 
 def kept_segments() -> set[int]:

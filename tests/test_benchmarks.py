@@ -17,7 +17,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench  # noqa: E402
 import ddp_bench  # noqa: E402
 import harness  # noqa: E402
-from helpers import leaks_checked  # noqa: E402
+from helpers import SharedMemory, live_children, shared_memory  # noqa: E402
 
 
 def _runner():
@@ -74,7 +74,9 @@ def _run_tiny(name: str, out_dir: Path) -> TinyRun:
 @dataclass
 class TinyRuns:
     by_name: dict[str, TinyRun]
-    leaks: AssertionError | None  # what the lot left running or in shared memory (None: nothing)
+    children_left: list  # the processes the lot left running (none, when all is well)
+    # What appeared in shared memory while they ran: theirs, or another test's that ran beside them (-n).
+    appeared: SharedMemory
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +86,10 @@ def tiny_runs(request, tmp_path_factory) -> TinyRuns:
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_every_benchmark_runs_at_a_tiny_size_to_its_results"] or NAMES
     folders = [tmp_path_factory.mktemp(name) for name in names]
-    runs = TinyRuns({}, None)
-    try:
-        with leaks_checked(), ThreadPoolExecutor(TINY_AT_ONCE) as pool:
-            runs.by_name.update(zip(names, pool.map(_run_tiny, names, folders)))
-    except AssertionError as leak:
-        runs.leaks = leak
-    return runs
+    before = shared_memory()
+    with ThreadPoolExecutor(TINY_AT_ONCE) as pool:
+        by_name = dict(zip(names, pool.map(_run_tiny, names, folders)))
+    return TinyRuns(by_name, live_children(), shared_memory().new_since(before))
 
 
 @pytest.mark.timeout(900)  # the first test to ask waits for them all
@@ -110,8 +109,10 @@ def test_every_benchmark_runs_at_a_tiny_size_to_its_results(name, tiny_runs):
         assert figures["machine"]["physical_cores"] >= 1
 
 
+@pytest.mark.alone  # with no test beside it, what appeared beside the tiny runs and is still there is theirs
 def test_the_tiny_runs_leave_no_process_or_shared_memory_behind(tiny_runs):
-    assert tiny_runs.leaks is None, tiny_runs.leaks
+    assert tiny_runs.children_left == []
+    assert tiny_runs.appeared.still_in(shared_memory()) == SharedMemory(set(), set())
 
 
 def test_a_benchmark_over_its_time_is_stopped_with_its_processes(tmp_path, monkeypatch, no_leaks):

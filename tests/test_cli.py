@@ -44,6 +44,7 @@ def test_run_writes_summary_metrics_and_log(tmp_path):
     assert (out / "__main__.log").exists() or any(out.glob("*.log"))
 
 
+@pytest.mark.alone  # what it asserts of /dev/shm holds only with no other test beside it
 def test_multirun_two_by_two_leaves_nothing_behind(tmp_path):
     """Intel's OpenMP in the workers and their fork server, as tuning tries it: it registers each
     process in /dev/shm until its exit handler runs, which none of them reaches; nothing stays."""

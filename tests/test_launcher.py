@@ -262,6 +262,7 @@ def test_every_way_torchrun_runs_a_program_is_pinned(tmp_path, how):
     assert probe == {"affinity": cpus[0], "omp": str(threads), "argv": [str(tmp_path), "--flag"], "pickles": True}
 
 
+@pytest.mark.alone  # what it asserts of /dev/shm holds only with no other test beside it
 def test_the_allocator_and_openmp_asked_for_are_loaded_in_each_rank(tmp_path):
     write(tmp_path, "maps.py", """
         import os, sys
@@ -365,6 +366,7 @@ def test_a_rank_ends_as_python_ends_its_threads_joined_exit_handlers_run_output_
     assert "printed by Python, in its buffer" in out
 
 
+@pytest.mark.alone  # what it asserts of /dev/shm holds only with no other test beside it
 def test_a_crashing_rank_leaves_no_process_behind(tmp_path):
     """Rank 1 dies; rank 0 (and a process it started) would wait forever: the agent ends them all.
     With Intel's OpenMP in them, what it registered for each goes too."""

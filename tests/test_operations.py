@@ -244,6 +244,7 @@ def test_drop_last_false_trains_the_last_partial_batch_exactly(workers, batch_si
     assert_exact(model, reference)
 
 
+@pytest.mark.alone  # what it asserts of the temporary folder holds only with no other test beside it
 def test_a_killed_launcher_leaves_no_process_and_its_directory_goes_with_the_next_run(tmp_path):
     script = ("import os, signal, sys; sys.path.insert(0, %r)\n"
               "from helpers import Bomb, SmallConvNet, in_a_worker, tiny_dataset\n"
@@ -307,6 +308,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_when_resuming_from_a_directo
     assert_same_parameters(resumed, whole)
 
 
+@pytest.mark.alone  # it counts what the machine holds (processes, /dev/shm, temporary folders) before and after
 def test_chaos_script_runs_faults_and_finds_every_job_equal(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "chaos.py")
     proc = subprocess.run([sys.executable, script, "--faults", "2", "--kinds", "kill_worker,second_run", "--seed", "5",

@@ -41,6 +41,7 @@ class SocketProbe(nn.Module):
 
 
 @pytest.mark.parametrize("comm", ["gloo", pytest.param("auto", marks=pytest.mark.quick)])
+@pytest.mark.alone  # what it asserts of /dev/shm holds only with no other test beside it
 def test_no_socket_listens_beyond_loopback(tmp_path, comm):
     shm_before = set(os.listdir("/dev/shm"))
     model = SocketProbe(SmallConvNet(), str(tmp_path))

@@ -329,6 +329,7 @@ SETUP = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.alone  # what it asserts of /dev/shm holds only with no other test beside it
 def test_rank_0_stopped_during_set_up_leaves_no_shared_memory(tmp_path, stop):
     """Rank 0 of the "sn" group's set-up has made its segment and waits for rank 1 to attach it, which
     never happens (rank 1 crashed at start-up); stopped there, as torchrun stops the survivors, it

@@ -502,3 +502,62 @@ def test_a_test_module_without_a_quick_test_is_found(tmp_path):
     }.items():
         (tmp_path / name).write_text(text)
     assert without_quick_tests(tmp_path) == ["test_none.py"]
+
+
+# --- side by side --------------------------------------------------------------------------------
+
+# Two modules, for two test processes: their first tests meet (each waits for the other's file, so both
+# ran at once); then one process runs a test marked alone while the other has an ordinary test to run.
+_MEETS = '''
+import os, time
+from pathlib import Path
+
+import pytest
+
+LOG = Path(os.environ["SIDE_BY_SIDE_LOG"])
+
+
+def timed(name, body):
+    start = time.monotonic()
+    body()
+    LOG.joinpath(name).write_text(f"{{start}} {{time.monotonic()}}")
+
+
+def meet(me, other):
+    LOG.joinpath(me + ".here").touch()
+    deadline = time.monotonic() + 60
+    while not LOG.joinpath(other + ".here").exists():
+        assert time.monotonic() < deadline, "the other test process never came"
+        time.sleep(0.01)
+
+
+def test_{me}_meets():
+    timed("{me}_meets", lambda: meet("{me}", "{other}"))
+
+
+{mark}
+def test_{me}_then():
+    timed("{me}_then", lambda: sum(range(3_000_000)))
+'''
+
+
+def test_a_test_marked_alone_runs_with_no_other_test_beside_it(tmp_path):
+    """scripts/test.sh runs tests in two processes (pytest-xdist, a module to each); tests/conftest.py
+    holds a test marked alone (one that reads what the whole machine holds) to a turn of its own."""
+    import os
+    import shutil
+    import subprocess
+
+    tests, log = tmp_path / "tests", tmp_path / "log"
+    tests.mkdir(), log.mkdir()
+    shutil.copy(TESTS / "conftest.py", tests)
+    tests.joinpath("test_a.py").write_text(_MEETS.format(me="a", other="b", mark=""))
+    tests.joinpath("test_b.py").write_text(_MEETS.format(me="b", other="a", mark="@pytest.mark.alone"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadfile", str(tests)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SIDE_BY_SIDE_LOG": str(log)}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    span = {name: [float(t) for t in log.joinpath(name).read_text().split()]
+            for name in ("a_meets", "b_meets", "a_then", "b_then")}
+    (alone_start, alone_end), (other_start, other_end) = span["b_then"], span["a_then"]
+    assert alone_end <= other_start or other_end <= alone_start, span  # one waited for the other
