@@ -17,9 +17,9 @@
 # Any other argument goes to every pytest run.
 #
 # Past the unit tier, two test processes run modules side by side (pytest-xdist, a module to one
-# process, so that its fixtures are made once): while one test starts Python or waits for a peer,
-# the other computes. A test marked alone (tests/conftest.py: it reads what the whole machine holds)
-# runs with nothing beside it.
+# process, so that its fixtures are made once; the longest first): while one test starts Python or
+# waits for a peer, the other computes. A test marked alone (tests/conftest.py: it reads what the
+# whole machine holds) runs with nothing beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=""  # --quick picks the tier and goes to no pytest run (it is no pytest option)
@@ -28,7 +28,7 @@ for arg in "$@"; do
     if [ "$arg" = --quick ]; then QUICK=1; else ARGS+=("$arg"); fi
 done
 set -- ${ARGS[@]+"${ARGS[@]}"}
-SIDE_BY_SIDE=(-n 2 --dist loadfile)
+SIDE_BY_SIDE=(-n 2 --dist loadfile --no-loadscope-reorder)  # in the order tests/conftest.py gives
 bash scripts/setup.sh test
 .venv/bin/python -m ruff check .  # first: errors and likely bugs ([tool.ruff] in pyproject.toml) end it at once
 if [ -n "$QUICK" ]; then

@@ -73,7 +73,15 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
+# The modules that take minutes, longest first (--durations=0 ranks them). Side by side, each test
+# process starts on a long one and the short ones fill in at the end, so that both end together.
+LONGEST_FIRST = ("test_benchmarks", "test_elastic", "test_operations", "test_ray_nodes", "test_launcher",
+                 "test_faults", "test_multinode", "test_cli", "test_compress", "test_ray", "test_ecosystem")
+
+
 def pytest_collection_modifyitems(items):
+    place = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.stem, len(LONGEST_FIRST)))  # stable: the rest as collected
     for item in items:
         if "no_leaks" in item.fixturenames:  # it reads what /dev/shm and the System V segments hold
             item.add_marker("alone")
