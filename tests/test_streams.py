@@ -171,17 +171,22 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     model = SmallConvNet().double()
     stream = dict(stop=Stopping, resume=Recording).get(sys.argv[1], Shuffled)(sized=False)
-    Trainer(workers=2, batch_size=6, max_steps=14, checkpoint_dir=sys.argv[2], checkpoint_every_steps=1,
+    Trainer(workers=2, batch_size=6, max_steps={steps}, checkpoint_dir=sys.argv[2], checkpoint_every_steps=1,
             resume=sys.argv[3] if len(sys.argv) > 3 else None).fit(
         model, stream, optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
 """
+
+
+# Steps after the stop's (7 or 8) that leave the launcher time to act on its signal: 14 in all once left it 6,
+# and a run beside other work took them all before its stop came.
+STEPS = 30
 
 
 def test_a_stream_stopped_by_sigterm_resumes_bit_exactly_from_its_position(tmp_path, no_leaks):
     """Stopped in the third pass of a 20-item stream; the checkpoint records the pass and the
     items of it already read, and the resumed run ends where the uninterrupted one does."""
     script = tmp_path / "train_stream.py"
-    script.write_text(STREAM_SCRIPT.format(tests=os.path.dirname(__file__), stop_at=45,
+    script.write_text(STREAM_SCRIPT.format(tests=os.path.dirname(__file__), stop_at=45, steps=STEPS,
                                            flag=str(tmp_path / "stopped.flag"), passes=str(tmp_path / "passes")))
 
     def run(*args):
@@ -193,7 +198,7 @@ def test_a_stream_stopped_by_sigterm_resumes_bit_exactly_from_its_position(tmp_p
     assert stopped.returncode == 1 and "TrainingInterrupted: stopped by SIGTERM after step" in stopped.stderr
     saved = checkpoint.load(CheckpointDir(tmp_path / "stopped").latest())
     step = saved["step"]
-    assert 6 <= step < 14  # item 45 is read for step 7 (or, a step ahead, for step 8)
+    assert 6 <= step < STEPS  # item 45 is read for step 7 (or, a step ahead, for step 8)
     assert saved["run"]["stream"] == {"pass": step * 6 // 20, "offset": step * 6 % 20}
     resumed = run("resume", str(tmp_path / "resumed"), str(tmp_path / "stopped"))
     assert resumed.returncode == 0, resumed.stderr
@@ -204,7 +209,7 @@ def test_a_stream_stopped_by_sigterm_resumes_bit_exactly_from_its_position(tmp_p
     assert len(workers) == 2 and set(first.values()) == {step * 6 // 20}  # no earlier pass read again
     mine = checkpoint.load(CheckpointDir(tmp_path / "resumed").latest())
     theirs = checkpoint.load(CheckpointDir(tmp_path / "whole").latest())
-    assert mine["step"] == theirs["step"] == 14
+    assert mine["step"] == theirs["step"] == STEPS
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
     assert json.dumps(mine["run"]["stream"]) == json.dumps(theirs["run"]["stream"])
 
