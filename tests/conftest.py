@@ -79,9 +79,10 @@ LONGEST_FIRST = ("test_benchmarks", "test_elastic", "test_operations", "test_ray
                  "test_faults", "test_multinode", "test_cli", "test_compress", "test_ray", "test_ecosystem")
 
 
-def pytest_collection_modifyitems(items):
-    place = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: place.get(item.path.stem, len(LONGEST_FIRST)))  # stable: the rest as collected
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a test process of -n's: one at a time, the order stays as collected
+        place = {name: index for index, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: place.get(item.path.stem, len(LONGEST_FIRST)))  # stable: the rest as collected
     for item in items:
         if "no_leaks" in item.fixturenames:  # it reads what /dev/shm and the System V segments hold
             item.add_marker("alone")
