@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import kept_segments, run_ranks, saved_results
+from helpers import SharedMemory, run_ranks, saved_results, shared_memory
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -335,7 +335,7 @@ def test_rank_0_stopped_during_set_up_leaves_no_shared_memory(tmp_path, stop):
     never happens (rank 1 crashed at start-up); stopped there, as torchrun stops the survivors, it
     leaves nothing behind: no /dev/shm entry, no segment."""
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    dev_shm, segments = set(os.listdir("/dev/shm")), kept_segments()
+    before = shared_memory()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen([sys.executable, "-c", SETUP, str(store.port)], env=env)
     try:
@@ -348,8 +348,7 @@ def test_rank_0_stopped_during_set_up_leaves_no_shared_memory(tmp_path, stop):
     finally:
         process.kill()
         process.wait()
-    assert set(os.listdir("/dev/shm")) - dev_shm == set()
-    assert kept_segments() - segments == set()
+    assert shared_memory().new_since(before) == SharedMemory(set(), set())
     assert [row for row in sysv_segments() if row["cpid"] == process.pid] == []
 
 
