@@ -460,6 +460,49 @@ def test_a_callbacks_stop_applies_to_the_step_it_saw_and_that_model_is_evaluated
             assert result.eval_loss == pytest.approx(cross_entropy(reference.eval(), test.tensors).item(), rel=1e-10)
 
 
+@pytest.mark.unit
+def test_a_worker_reading_the_steps_stop_late_reads_what_the_others_read_and_meets_them_at_the_event():
+    """Worker 1 descheduled between a step's barrier and its read of the step's decision, while
+    worker 0 waits on the launcher and then decides to stop on a callback's ask: worker 1 must
+    still read "go on", join the event's barrier, and stop there with worker 0. Two threads run
+    the workers' side of the protocol; worker 1 reads only once worker 0 has decided."""
+    import threading
+
+    from sn_trainer.engine import StopFlags
+    from sn_trainer.engine.processes.signals import StopAgreement
+
+    flags, step = StopFlags.allocate(), 5
+    met = threading.Barrier(2, timeout=10)
+    decided = threading.Event()
+
+    def worker_0_barrier():
+        decided.set()  # worker 0 has decided after the event; worker 1 has not read the step's decision yet
+        met.wait()
+
+    agreements = [StopAgreement(flags, 0, worker_0_barrier), StopAgreement(flags, 1, met.wait)]
+    flags.decide(step)  # the step's end: nothing asked yet
+    flags.ask()  # a callback, told of the step's record
+    flags.acknowledge()  # the launcher has handed that record to its callbacks
+    stops = [None, None]
+
+    def worker(rank):
+        if rank == 1:
+            decided.wait(10)
+        stopping = flags.stops_after(step)
+        if not stopping:  # the awaited record: every worker meets the decision made after it
+            stopping = agreements[rank].after_event(step)
+        stops[rank] = stopping
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not met.broken, "a worker left the event's barrier without the other"
+    assert stops == [True, True]
+    assert flags.ends_run()
+
+
 def halving_on_plateau(optimizer):
     return {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0),
             "monitor": "eval_loss"}

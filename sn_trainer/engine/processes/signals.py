@@ -7,7 +7,9 @@ names the step every worker stops after; a second signal to the launcher stops a
 launcher's callbacks ask through the same flags: to stop (``ask``), and for a checkpoint of the
 step just evaluated (``save_at``); worker 0 waits after each evaluation (and each awaited progress
 record) until the launcher has heard of it (``acknowledge``), so what the callbacks decide there
-applies to that very step. Ctrl-Z pauses the workers with the launcher (``paused_together``): each
+applies to that very step. A decision made after an event has a slot of its own: a worker still
+reading the step's decision (it may be descheduled between the step's barrier and its read) reads
+what every worker read, never the later one, which it learns in the event's barrier with the rest. Ctrl-Z pauses the workers with the launcher (``paused_together``): each
 leads a session of its own, out of reach of a terminal's signals.
 """
 from __future__ import annotations
@@ -21,15 +23,16 @@ from contextlib import contextmanager
 
 import torch
 
-_SIGNAL, _STOP_AT, _ASKED, _ACKNOWLEDGED, _SAVE_AT, _ASKED_STOP = range(6)
+_SIGNAL, _STOP_AT, _ASKED, _ACKNOWLEDGED, _SAVE_AT, _ASKED_STOP, _EVENT_STOP_AT = range(7)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopFlags:
     """Shared int64 flags: the first stop signal received anywhere (0: none), the step to stop
-    after, a stop asked by a callback, the last event the launcher has heard of (that worker 0
-    waits for), a step whose checkpoint a callback asked for, and whether the stop decided was a
-    callback's (the run ends there) rather than a signal's (the run is to be resumed)."""
+    after as decided at the step's end, a stop asked by a callback, the last event the launcher
+    has heard of (that worker 0 waits for), a step whose checkpoint a callback asked for, whether
+    the stop decided was a callback's (the run ends there) rather than a signal's (the run is to be
+    resumed), and the step to stop after as decided after an event."""
 
     def __init__(self, block: torch.Tensor):
         self.block = block
@@ -40,7 +43,7 @@ class StopFlags:
 
     @classmethod
     def allocate(cls) -> "StopFlags":
-        return cls(torch.zeros(6, dtype=torch.int64).share_memory_())
+        return cls(torch.zeros(7, dtype=torch.int64).share_memory_())
 
     def request(self, signum: int) -> None:
         if int(self._flags[_SIGNAL]) == 0:
@@ -58,9 +61,18 @@ class StopFlags:
 
     def decide(self, step_done: int) -> None:
         """Worker 0, after a step, before the closing barrier: all workers stop after this step."""
-        if (self.signal or int(self._flags[_ASKED])) and not int(self._flags[_STOP_AT]):
+        self._decide(step_done, _STOP_AT)
+
+    def decide_after_event(self, step_done: int) -> None:
+        """Worker 0, after an event's acknowledgement, before the event's barrier: all workers stop
+        after this step. Its own slot: ``stops_after`` still tells every worker the step's decision."""
+        self._decide(step_done, _EVENT_STOP_AT)
+
+    def _decide(self, step_done: int, slot: int) -> None:
+        decided = int(self._flags[_STOP_AT]) or int(self._flags[_EVENT_STOP_AT])
+        if (self.signal or int(self._flags[_ASKED])) and not decided:
             self._flags[_ASKED_STOP] = 0 if self.signal else 1  # read after the barrier: the same in all
-            self._flags[_STOP_AT] = step_done
+            self._flags[slot] = step_done
 
     def ends_run(self) -> bool:
         """Whether the stop decided was asked by a callback: the run ends there (a signal's is
@@ -68,7 +80,12 @@ class StopFlags:
         return bool(int(self._flags[_ASKED_STOP]))
 
     def stops_after(self, step_done: int) -> bool:
+        """Whether the decision at the end of step ``step_done`` stops the run there."""
         return int(self._flags[_STOP_AT]) == step_done
+
+    def stops_after_event(self, step_done: int) -> bool:
+        """Whether the run stops after step ``step_done``, decided at its end or after its event."""
+        return self.stops_after(step_done) or int(self._flags[_EVENT_STOP_AT]) == step_done
 
     def save_at(self, step_done: int) -> None:
         """The launcher: the workers checkpoint ``step_done`` (asked on its evaluation)."""
@@ -94,6 +111,7 @@ class StopFlags:
     def clear_for_restart(self) -> None:
         """A restart starts a new stop decision; a stop request itself is never cleared."""
         self._flags[_STOP_AT] = 0
+        self._flags[_EVENT_STOP_AT] = 0
         self._flags[_ACKNOWLEDGED] = 0
         self._flags[_SAVE_AT] = 0
         self._flags[_ASKED_STOP] = 0
@@ -114,9 +132,9 @@ class StopAgreement:
         if self.rank == 0:
             self._awaited_sent += 1
             self.flags.wait_for_acknowledgement(self._awaited_sent)
-            self.flags.decide(step_done)
+            self.flags.decide_after_event(step_done)
         self.barrier()
-        return self.flags.stops_after(step_done)
+        return self.flags.stops_after_event(step_done)
 
 
 def stop_on_signals(flags: StopFlags) -> None:
