@@ -15,6 +15,11 @@
 # bash scripts/test.sh --quick is the quick tier instead: the tests marked quick (-m quick: each test
 # module's story told once, at its smallest), then those of the equivalence core on the two kernel sets.
 # Any other argument goes to every pytest run.
+#
+# Past the unit tier, two test processes run modules side by side (pytest-xdist, a module to one
+# process, so that its fixtures are made once; the longest first): while one test starts Python or
+# waits for a peer, the other computes. A test marked alone (tests/conftest.py: it reads what the
+# whole machine holds) runs with nothing beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=""  # --quick picks the tier and goes to no pytest run (it is no pytest option)
@@ -23,16 +28,17 @@ for arg in "$@"; do
     if [ "$arg" = --quick ]; then QUICK=1; else ARGS+=("$arg"); fi
 done
 set -- ${ARGS[@]+"${ARGS[@]}"}
+SIDE_BY_SIDE=(-n 2 --dist loadfile --no-loadscope-reorder)  # in the order tests/conftest.py gives
 bash scripts/setup.sh test
 .venv/bin/python -m ruff check .  # first: errors and likely bugs ([tool.ruff] in pyproject.toml) end it at once
 if [ -n "$QUICK" ]; then
     echo "the quick tier: each test module's quick tests"
-    .venv/bin/python -m pytest -q -m quick tests "$@"
+    .venv/bin/python -m pytest -q "${SIDE_BY_SIDE[@]}" -m quick tests "$@"
 else
     echo "the unit tier: tests that start no process"
     .venv/bin/python -m pytest -q -m unit tests "$@"
     echo "the tests that start processes: workers, launchers, commands"
-    .venv/bin/python -m pytest -q -m "not unit" tests "$@"
+    .venv/bin/python -m pytest -q "${SIDE_BY_SIDE[@]}" -m "not unit" tests "$@"
 fi
 EQUIVALENCE="tests/test_equivalence.py tests/test_byo_model.py tests/test_byo_optimizer.py tests/test_exactness.py
     tests/test_loop.py tests/test_collate.py tests/test_prefetch.py tests/test_gather.py tests/test_word_lm.py
@@ -50,6 +56,6 @@ for kernels in default avx2; do
     echo "equivalence tests with ATEN_CPU_CAPABILITY=$kernels${tier:+ (-m $tier)}"
     # With the portable kernels, the shared-memory collectives run their Python path too (no C core).
     native=1; [ "$kernels" = default ] && native=0
-    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q ${tier:+-m "$tier"} \
+    ATEN_CPU_CAPABILITY=$kernels SN_TRAINER_NATIVE=$native .venv/bin/python -m pytest -q "${SIDE_BY_SIDE[@]}" ${tier:+-m "$tier"} \
         $EQUIVALENCE "$@"
 done
