@@ -13,7 +13,8 @@ default for conv nets without batch norm, given to every variant alike), and in 
 channels_last; batch-norm nets also with sn_trainer's sync_batchnorm (its cost); a small GPT
 on character windows reports tokens/s. Rounds alternate over every variant and case, so that
 drift on a shared machine hits all alike; ratios are of medians. Also: sn_trainer with 1
-worker (scaling), achieved GFLOP/s against the matmul peak measured in the same run, and the
+worker (scaling), sn_trainer reading each batch inline (prefetch=false) against its read-ahead
+thread as prefetch=auto decides (what the thread costs or gains on one core), achieved GFLOP/s against the matmul peak measured in the same run, and the
 memory of whole process trees (launcher and workers, the dataset made once and shared the
 same way in each), resnet18, sn vs DDP.
 
@@ -61,7 +62,7 @@ GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # th
 VARIANTS = ("plain", "ddp", "sn", "ideal", "ideal_lockstep")
 # Variants whose name's suffix is no runtime (``sn_jemalloc_intel`` is sn_trainer launched with one):
 # other figures of a row, never a launch of their variant.
-OTHER_FIGURES = frozenset({"ideal_lockstep", "sn_sync", "sn_1worker"})
+OTHER_FIGURES = frozenset({"ideal_lockstep", "sn_sync", "sn_1worker", "sn_inline"})
 RESULT = "bench"
 
 
@@ -332,10 +333,11 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
         with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
             seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, step_line, data))
         return case.batch * timing.steps / seconds
-    runtime = runtime_of(variant) if variant not in ("sn_sync", "sn_1worker") else default_runtime()
+    runtime = runtime_of(variant) if variant not in OTHER_FIGURES else default_runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
                      measure_after=timing.warmup, precision=case.precision, channels_last=case.channels_last,
                      sync_batchnorm=variant == "sn_sync", allocator=runtime.allocator, openmp=runtime.openmp,
+                     prefetch=False if variant == "sn_inline" else "auto",
                      log_every=10**9, verify_every=0).fit(  # speed alone: verify_cost.md has a check's
         make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
@@ -409,7 +411,7 @@ def variants_of(case: Case, runtimes: bool = False, launches: tuple[str, ...] | 
         # allocator x OpenMP runtime alike (or those of ``launches``), and run_cpu's own launch for plain PyTorch and DDP
         launches = (*ALLOCATED, *WITH_INTEL_OPENMP) if launches is None else launches
         extra += ("plain_cpu", "ddp_cpu", *(f"{variant}_{a}" for variant in ("plain", "ideal", "sn") for a in launches))
-    return (*VARIANTS, *extra, "sn_1worker")
+    return (*VARIANTS, *extra, "sn_1worker", "sn_inline")
 
 
 def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
@@ -492,6 +494,7 @@ def main() -> None:
                      "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None,
                      "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
+                     "inline_over_sn": med["sn_inline"] / med["sn"],
                      "runtimes": _runtimes(med) if case.label in runtime_rows else None,
                      "sn_gflops": gflops, "sn_fraction_of_peak": gflops / peak[case.precision]})
     report = {"machine": harness.describe(), "workers": workers, "threads_per_worker": 1,
@@ -542,6 +545,14 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['case']} | {med['sn']:.0f} [{mm['sn'][0]:.0f}-{mm['sn'][1]:.0f}] | "
                      f"{med['sn_sync']:.0f} [{mm['sn_sync'][0]:.0f}-{mm['sn_sync'][1]:.0f}] | "
                      f"{r['sync_bn_over_sn']:.2f} |")
+    lines.append("\nsn_trainer reading each batch inline (`prefetch=false`) against `prefetch=auto` (a thread reading "
+                 "the next batch where it decides so), same run, samples/s [min-max]:\n\n"
+                 "| case | sn_trainer, prefetch=auto | sn_trainer, prefetch=false | inline / auto |\n|---|---:|---:|---:|")
+    for r in report["rows"]:
+        med, mm, k = r["median"], r["min_max"], r["per_sample"]
+        lines.append(f"| {r['case']} | {k * med['sn']:.0f} [{k * mm['sn'][0]:.0f}-{k * mm['sn'][1]:.0f}] | "
+                     f"{k * med['sn_inline']:.0f} [{k * mm['sn_inline'][0]:.0f}-{k * mm['sn_inline'][1]:.0f}] | "
+                     f"{r['inline_over_sn']:.2f} |")
     lines.append("\nEvery variant with its best launch, same run: plain PyTorch, the ideal and sn_trainer each with "
                  "every allocator, with GNU's OpenMP and with Intel's (`_intel`), plain PyTorch and DDP also "
                  "launched by PyTorch's `python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel "

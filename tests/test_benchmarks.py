@@ -141,10 +141,11 @@ def test_case_labels_name_precision_and_layout():
 @pytest.mark.unit
 def test_the_best_launch_table_picks_each_variants_fastest_launch():
     med = {"plain": 100.0, "plain_cpu": 120.0, "ddp": 90.0, "ddp_cpu": 95.0, "ideal": 130.0, "ideal_tcmalloc": 140.0,
-           "ideal_lockstep": 150.0, "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0}
+           "ideal_lockstep": 150.0, "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0,
+           "sn_inline": 450.0}
     runtimes = bench._runtimes(med)
     assert runtimes["best_plain"] == ("plain_cpu", 120.0) and runtimes["best_ideal"] == ("ideal_tcmalloc", 140.0)
-    assert runtimes["best_sn"] == ("sn_jemalloc", 132.0)  # one worker, sync_batchnorm, lockstep: other figures
+    assert runtimes["best_sn"] == ("sn_jemalloc", 132.0)  # one worker, sync_batchnorm, inline: other figures
     assert runtimes["sn_over_best_plain"] == pytest.approx(1.1)
 
 
@@ -158,12 +159,12 @@ def test_runtime_launches_are_named_alike_for_every_variant():
     assert bench.runtime_of("sn_jemalloc_intel") == Runtime("jemalloc", "intel")
     variants = bench.variants_of(bench.Case("lenet", 64, "fp32", True), runtimes=True)
     assert {"plain_cpu", "ddp_cpu", "ideal_tcmalloc_intel", "sn_tcmalloc_intel", "sn_system_intel"} <= set(variants)
-    launches = {v.split("_", 1)[1] for v in variants if v.startswith("sn_") and v not in ("sn_sync", "sn_1worker")}
+    launches = {v.split("_", 1)[1] for v in variants if v.startswith("sn_") and v not in bench.OTHER_FIGURES}
     for peer in ("plain", "ideal"):  # the same launches as sn_trainer's, each of them
         assert {f"{peer}_{launch}" for launch in launches} <= set(variants)
     tiny = bench.variants_of(bench.Case("lenet", 8, "fp32", True), runtimes=True, launches=("tcmalloc_intel",))
     assert set(tiny) - set(bench.VARIANTS) == {"plain_cpu", "ddp_cpu", "plain_tcmalloc_intel", "ideal_tcmalloc_intel",
-                                              "sn_tcmalloc_intel", "sn_1worker"}
+                                              "sn_tcmalloc_intel", "sn_1worker", "sn_inline"}
     assert "sn_sync" in bench.variants_of(bench.Case("cifar10_quick_bn", 100))  # the cost of sync_batchnorm: its row
 
 
