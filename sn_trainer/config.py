@@ -156,9 +156,10 @@ class TrainerConfig:
     start_method: str = option("forkserver", "how workers start: `forkserver` (warm: forked from a server that "
                                              "has imported torch once per process) or `spawn` (a fresh interpreter "
                                              "each)")
-    allocator: str = option("system", "the workers' memory allocator: `system` (the C library's), `jemalloc`, "
-                                      "`tcmalloc`, or `auto` (what tuning measured fastest for this model, else "
-                                      "system)")
+    allocator: str = option("system", "the workers' memory allocator: `system` (the C library's; glibc's keeps what a "
+                                      "step freed for the next instead of giving it back to the kernel), "
+                                      "`jemalloc`, `tcmalloc`, or `auto` (what tuning measured fastest for this "
+                                      "model, else system)")
     openmp: str = option("gnu", "the workers' OpenMP runtime: `gnu` (torch's own), `intel` (libiomp5 from the "
                                 "intel-openmp package, preloaded), or `auto` (what tuning measured fastest for this "
                                 "model, else gnu)")

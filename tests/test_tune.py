@@ -2,6 +2,7 @@
 import copy
 import functools
 import json
+import os
 import platform
 
 import pytest
@@ -184,6 +185,80 @@ class AllocatorProbe(torch.nn.Module):
             with open(os.path.join(self.out_dir, f"{os.getpid()}.maps"), "w") as f:
                 f.write(open("/proc/self/maps").read())
         return self.inner(x)
+
+
+# A step's memory as a conv net's forward pass holds it (MiB): blocks glibc, as it ships, gives back to
+# the kernel when they are freed and faults in again page by page when they are allocated the next time.
+STEP_BLOCKS_MIB = (13, 13, 3, 3, 1, 1, 0.5)
+
+
+def faults_of_a_step(rounds: int = 3) -> int:
+    """Pages the kernel faulted in for the last of ``rounds`` allocations of STEP_BLOCKS_MIB, each
+    written and freed, through the C library's malloc."""
+    import ctypes
+    import resource
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    sizes = [int(mib * 2**20) for mib in STEP_BLOCKS_MIB]
+    for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [libc.malloc(size) for size in sizes]
+        for block, size in zip(blocks, sizes):
+            ctypes.memset(block, 1, size)
+        for block in blocks:
+            libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+class HeapProbe(torch.nn.Module):
+    """Writes down, from each worker, what a step's allocations cost it in page faults."""
+
+    def __init__(self, inner, out_dir):
+        import os
+
+        super().__init__()
+        self.inner, self.out_dir, self.launcher = inner, out_dir, os.getpid()
+
+    def forward(self, x):
+        import os
+
+        from sn_trainer.recipe import position
+
+        # The workers' steps after their first, not the rehearsal's (a warm process of glibc's own, at step 0).
+        if os.getpid() != self.launcher and position.current().step:
+            with open(os.path.join(self.out_dir, f"{os.getpid()}.faults"), "w") as f:
+                f.write(str(faults_of_a_step()))
+        return self.inner(x)
+
+
+def test_a_worker_keeps_freed_memory_for_the_next_step_where_glibc_would_give_it_back(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    shipped = subprocess.run([sys.executable, "-c", "import test_tune; print(test_tune.faults_of_a_step())"],
+                             cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=60)
+    assert shipped.returncode == 0, shipped.stderr
+    assert int(shipped.stdout) > 2000  # glibc as it ships: every step faults its blocks in again
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    Trainer(workers=2, threads=1, batch_size=8, max_steps=3).fit(HeapProbe(SmallConvNet(), str(tmp_path)),
+                                                                 tiny_dataset(), optimizer=sgd)
+    faults = [int(p.read_text()) for p in tmp_path.glob("*.faults")]
+    assert len(faults) == 2 and max(faults) < 100, faults
+
+
+@pytest.mark.unit
+def test_malloc_is_left_as_it_is_under_another_allocator_or_the_users_own_malloc_settings(monkeypatch):
+    from sn_trainer.node.runtime import keep_freed_memory
+
+    assert not keep_freed_memory("jemalloc") and not keep_freed_memory("tcmalloc")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert not keep_freed_memory("system")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    assert not keep_freed_memory("system")
 
 
 def test_the_tuners_command_predicts_another_machine_from_the_cached_calibration(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from ..data import random_state
+from ..node.runtime import keep_freed_memory
 from .events import CheckpointPart, Evaluation, Progress, WorkerResult
 from .memory.peak import pss_bytes
 from .processes.stages import STEP_STAGES, StageTimer
@@ -69,6 +70,7 @@ def run_worker(spec: WorkerSpec, send: Callable[[Any], None]) -> WorkerResult:
     plan = spec.shared.plan
     spec.shared.heartbeats.beat(spec.rank, plan.start_step, "setup")
     pin_and_set_threads(plan.placement.pinning[spec.rank], plan.settings.threads)
+    keep_freed_memory(plan.settings.allocator)
     random_state.seed(plan.settings.seed * 1000 + plan.placement.node_rank * plan.workers + spec.rank)
     replica = Replica(spec)
     try:

@@ -29,6 +29,34 @@ _REGISTRY = Path("/dev/shm")
 _REGISTRATION = re.compile(r"__KMP_REGISTERED_LIB_(\d+)_(\d+)")
 
 
+# glibc's malloc gives freed memory back to the kernel once the free space at the top of its heap
+# passes a threshold, and maps blocks past another threshold from the kernel afresh; both thresholds
+# follow the largest block freed so far. A training step frees its activations and allocates the same
+# sizes again in the next: where they pass those thresholds, every step faults its memory back in page
+# by page (benchmarks/heap_bench.py). A worker keeps what it freed, up to these sizes, for the next step.
+_KEEP_MAPPED_BELOW = 32 << 20  # glibc's own ceiling for its moving mmap threshold
+_KEEP_FREE_TOP = 128 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_memory(allocator: str) -> bool:
+    """In a worker about to train with ``allocator``: where that is the C library's and the C library
+    is glibc, keep freed memory for the next step instead of giving it back to the kernel. Left as it
+    is where the environment sets glibc's malloc itself (``MALLOC_*_``, ``GLIBC_TUNABLES``): those are
+    the user's. Whether it changed anything."""
+    if allocator != "system":  # jemalloc and tcmalloc keep freed memory in their own caches
+        return False
+    if any(name in os.environ for name in _MALLOC_ENVIRONMENT) or "glibc.malloc." in os.environ.get(
+            "GLIBC_TUNABLES", ""):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):  # another C library: its malloc has no such thresholds
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_MAPPED_BELOW)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE_TOP))
+
+
 def allocator_library(allocator: str) -> str | None:
     """The shared library to preload for ``allocator`` (None: the C library's own malloc).
 
