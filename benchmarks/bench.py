@@ -421,12 +421,7 @@ def best_of(med: dict[str, float], prefix: str) -> tuple[str, float]:
 
 
 def main() -> None:
-    parser = harness.options(__doc__, RESULT)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
-    parser.add_argument("--cases", help="only these rows, by label, comma-separated (e.g. 'lenet b128 cl,gpt b32')")
+    parser = harness.rounds_options(harness.options(__doc__, RESULT))
     parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -452,11 +447,7 @@ def main() -> None:
     cases += [Case("cifar10_quick_bn", 100), Case("cifar10_quick_bn", 200), Case("resnet18", 32),
               Case("gpt", 32), Case("gpt", 64)]
     if args.cases:
-        wanted = [label.strip() for label in args.cases.split(",")]
-        unknown = set(wanted) - {c.label for c in cases}
-        if unknown:
-            parser.error(f"unknown case {sorted(unknown)}; the cases: {', '.join(c.label for c in cases)}")
-        cases = [c for c in cases if c.label in wanted]
+        cases = harness.picked(parser, cases, args.cases)
     elif args.tiny:  # a row of every table, at a batch of a few samples
         cases = [Case("lenet", 8, "fp32", True)]
     # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).

@@ -31,6 +31,28 @@ def options(doc: str, result: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def rounds_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a benchmark that measures rows of cases in rounds, at W workers."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
+    parser.add_argument("--cases", help="only these rows, by label, comma-separated (e.g. 'lenet b128 cl,gpt b32')")
+    return parser
+
+
+def picked(parser: argparse.ArgumentParser, cases: list, asked: str | None) -> list:
+    """The ``cases`` (each with a ``label``) that ``--cases`` names, in their order (all where it names none);
+    a label that is none of them ends the run with the parser's error, naming the cases."""
+    if not asked:
+        return cases
+    wanted = [label.strip() for label in asked.split(",")]
+    unknown = set(wanted) - {c.label for c in cases}
+    if unknown:
+        parser.error(f"unknown case {sorted(unknown)}; the cases: {', '.join(c.label for c in cases)}")
+    return [c for c in cases if c.label in wanted]
+
+
 def out_of(args: argparse.Namespace, result: str) -> Path:
     """Where the results go: ``--out``, else results/<machine>/<result> in the checkout."""
     return Path(args.out) if args.out else ROOT / "results" / machine_folder() / result

@@ -87,25 +87,14 @@ def main() -> None:
         kind, label, workers, steps, warmup = sys.argv[2:7]
         print(json.dumps(measure(kind, label, int(workers), int(steps), int(warmup))))
         return
-    parser = harness.options(__doc__, RESULT)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=None, help="default: all physical cores")
-    parser.add_argument("--cases", help="only these rows, by label, comma-separated")
+    parser = harness.rounds_options(harness.options(__doc__, RESULT))
     args = parser.parse_args()
     if args.tiny:
         args.rounds, args.steps, args.warmup = 1, 2, 1
     from sn_trainer.node.topology import read_topology
 
     workers = args.workers or read_topology().physical_cores
-    chosen = cases(tiny=args.tiny)
-    if args.cases:
-        wanted = [w.strip() for w in args.cases.split(",")]
-        unknown = set(wanted) - {c.label for c in chosen}
-        if unknown:
-            parser.error(f"unknown case {sorted(unknown)}; the cases: {', '.join(c.label for c in chosen)}")
-        chosen = [c for c in chosen if c.label in wanted]
+    chosen = harness.picked(parser, cases(tiny=args.tiny), args.cases)
     load = os.getloadavg()[0]
     started = time.perf_counter()
     got: dict[str, dict[str, list[dict]]] = {c.label: {} for c in chosen}
