@@ -59,6 +59,7 @@ def test_two_samples_per_worker_on_lenet_is_below_the_knee():
     assert "batch_size=32" in found.top.fix
 
 
+@pytest.mark.alone  # what another test beside it runs would count as other processes' CPU too
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a second core to pin the spinner to")
 def test_a_process_spinning_on_a_workers_core_is_a_busy_machine():
     core = sorted(os.sched_getaffinity(0))[1]  # worker 1's CPU (workers take the allowed cores in order)
@@ -72,10 +73,11 @@ def test_a_process_spinning_on_a_workers_core_is_a_busy_machine():
     busy = found.condition  # said before the run's own findings: the machine the figures come from
     assert not busy.ok and busy.check == "other processes' CPU", found.report()
     assert "for its CPU while another process ran" in busy.evidence, found.report()
-    # Worker 1 shares its core with the spinner: it waits for it about half the time it could run
-    # (worker 0 may wait too, for what else runs on this machine).
-    assert result.run_queue_seconds[1] >= 0.25 * result.train_seconds, found.report()
-    assert busy.seconds >= result.run_queue_seconds[1]
+    # The spinner takes one of the two cores' time: pinned, worker 1 waits for it about half the time it
+    # could run; unpinned (pin=auto, where the machine is busy as the run starts), the OS spreads the wait
+    # over both workers. Together they wait at least a quarter of the measured time.
+    assert sum(result.run_queue_seconds) >= 0.25 * result.train_seconds, found.report()
+    assert busy.seconds >= max(result.run_queue_seconds)
 
 
 # --- the machine, on fabricated trees -----------------------------------------------------------
