@@ -30,8 +30,6 @@ import harness
 RESULT = "heap_bench"
 MODES = ("shipped", "kept")
 KINDS = ("one", "ideal", "sn")
-# What keep_freed_memory sets, as glibc's environment names them (a process of plain PyTorch reads them at start).
-KEPT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
 SHIPPED_ENV = {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}
 
 
@@ -57,9 +55,7 @@ def measure(kind: str, label: str, workers: int, steps: int, warmup: int) -> dic
     timing = bench.Timing(warmup, steps)
     if kind == "one":
         return one_process(case, steps, warmup)
-    if kind == "ideal":
-        return {"rate": bench.measure("ideal", case, workers, timing, bench.read_topology())}
-    return {"rate": bench.measure("sn", case, workers, timing, bench.read_topology())}
+    return {"rate": bench.measure(kind, case, workers, timing, bench.read_topology())}  # the ideal, or sn_trainer
 
 
 def cases(tiny: bool = False) -> list:
@@ -74,7 +70,12 @@ def child(kind: str, label: str, mode: str, workers: int, steps: int, warmup: in
     """One figure, measured in a fresh process with glibc's environment of ``mode``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     # sn_trainer's workers keep freed memory themselves; plain PyTorch's processes are told by the environment.
-    env.update(SHIPPED_ENV if mode == "shipped" else {} if kind == "sn" else KEPT_ENV)
+    if mode == "shipped":
+        env.update(SHIPPED_ENV)
+    elif kind != "sn":
+        from sn_trainer.node.runtime import kept_malloc_environment
+
+        env.update(kept_malloc_environment())
     proc = subprocess.run([sys.executable, __file__, "--child", kind, label, str(workers), str(steps), str(warmup)],
                           env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:

@@ -216,14 +216,10 @@ class HeapProbe(torch.nn.Module):
     """Writes down, from each worker, what a step's allocations cost it in page faults."""
 
     def __init__(self, inner, out_dir):
-        import os
-
         super().__init__()
         self.inner, self.out_dir, self.launcher = inner, out_dir, os.getpid()
 
     def forward(self, x):
-        import os
-
         from sn_trainer.recipe import position
 
         # The workers' steps after their first, not the rehearsal's (a warm process of glibc's own, at step 0).

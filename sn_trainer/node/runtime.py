@@ -34,10 +34,15 @@ _REGISTRATION = re.compile(r"__KMP_REGISTERED_LIB_(\d+)_(\d+)")
 # follow the largest block freed so far. A training step frees its activations and allocates the same
 # sizes again in the next: where they pass those thresholds, every step faults its memory back in page
 # by page (benchmarks/heap_bench.py). A worker keeps what it freed, up to these sizes, for the next step.
-_KEEP_MAPPED_BELOW = 32 << 20  # glibc's own ceiling for its moving mmap threshold
-_KEEP_FREE_TOP = 128 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+# By glibc's name for each, its mallopt parameter (malloc.h) and the value a worker sets.
+_KEPT = {"MMAP_THRESHOLD": (-3, 32 << 20),  # glibc's own ceiling for its moving mmap threshold
+         "TRIM_THRESHOLD": (-1, 128 << 20)}
 _MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def kept_malloc_environment() -> dict[str, str]:
+    """What ``keep_freed_memory`` sets, as glibc reads it from the environment of a process it starts."""
+    return {f"MALLOC_{name}_": str(value) for name, (_, value) in _KEPT.items()}
 
 
 def keep_freed_memory(allocator: str) -> bool:
@@ -53,8 +58,7 @@ def keep_freed_memory(allocator: str) -> bool:
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "gnu_get_libc_version"):  # another C library: its malloc has no such thresholds
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_MAPPED_BELOW)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE_TOP))
+    return all(libc.mallopt(parameter, value) for parameter, value in _KEPT.values())
 
 
 def allocator_library(allocator: str) -> str | None:
