@@ -4,7 +4,9 @@
 (b) ddp:   DistributedDataParallel on gloo, W processes pinned to a core each, 1 thread each;
 (c) sn:    sn_trainer with W workers (comm=auto), 1 thread each;
 (d) ideal: W independent pinned processes, each training its own replica on B/W samples with
-           no communication at all: the ceiling of data parallelism on this machine;
+           no communication at all: the ceiling of data parallelism on this machine; each keeps
+           freed memory for its next step as sn_trainer's workers do (glibc's malloc; heap_bench.py
+           measures that alone);
 (e) ideal in lockstep: the same, meeting at a barrier (multiprocessing's) before each update and
            moving no data: the ceiling of synchronous data parallelism, where every step waits for
            the slowest worker's step.
@@ -46,7 +48,7 @@ from torch.utils.data import TensorDataset
 from sn_trainer import Trainer
 from sn_trainer.data.sampler import slice_bounds
 from sn_trainer.node.runtime import (Runtime, available_allocators, available_openmps, default_runtime,
-                                     forget_openmp_registrations)
+                                     forget_openmp_registrations, keep_freed_memory)
 from sn_trainer.node.topology import plan_pinning, read_topology
 from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
@@ -185,8 +187,9 @@ def ddp_worker(rank, case, timing, pinning, store, data, queue):
     os._exit(0)
 
 
-def ideal_worker(rank, case, timing, pinning, start_line, step_line, data, queue):
+def ideal_worker(rank, case, timing, pinning, allocator, start_line, step_line, data, queue):
     _pin(pinning[rank], 1)
+    keep_freed_memory(allocator)  # as sn_trainer's workers: the ceiling runs on the same heap
     lo, hi = slice_bounds(case.batch, len(pinning), rank)
     queue.put(timed_loop(make_model(case), data, hi - lo, timing, case, start_line=start_line, step_line=step_line))
 
@@ -331,7 +334,8 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
         with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
-            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, start_line, step_line, data))
+            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, runtime_of(variant).allocator,
+                                start_line, step_line, data))
         return case.batch * timing.steps / seconds
     runtime = runtime_of(variant) if variant not in OTHER_FIGURES else default_runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,
@@ -424,6 +428,9 @@ def main() -> None:
     parser = harness.rounds_options(harness.options(__doc__, RESULT))
     parser.add_argument("--memory-probe", choices=("sn", "ddp"), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("SPEC", "WHAT"), help=argparse.SUPPRESS)
+    parser.add_argument("--no-launches", action="store_true",
+                        help="leave out every variant's other launches (allocators x OpenMP runtimes, run_cpu) and "
+                             "their table: the rows' own figures in a third of the time")
     args = parser.parse_args()
     if args.one:
         one(*args.one)
@@ -451,7 +458,7 @@ def main() -> None:
     elif args.tiny:  # a row of every table, at a batch of a few samples
         cases = [Case("lenet", 8, "fp32", True)]
     # Best-launched peers on the rows as sn_trainer ships them (channels_last for these conv nets).
-    runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32"}
+    runtime_rows = {c.label for c in cases if c.channels_last and c.precision == "fp32" and not args.no_launches}
     # A tiny run launches each peer with one of those runtimes, the last (tcmalloc with Intel's OpenMP, where both
     # are installed: the one that preloads two libraries).
     launches = (*ALLOCATED, *WITH_INTEL_OPENMP)[-1:] if args.tiny else None
@@ -507,7 +514,8 @@ def markdown(report: dict) -> str:
     lines = [f"# sn_trainer against plain PyTorch, DDP-gloo and the ideal, W={report['workers']}", "",
              f"{harness.machine_line(m)} `{report['command']}`: {report['rounds']} rounds x {report['steps']} steps "
              f"after {report['warmup']} warm-up (resnet18: a fifth of the steps, a quarter of the warm-up), "
-             f"{report['optimizer']}, {report['data']}. Samples/s (tokens/s for the GPT) are medians over rounds "
+             f"{report['optimizer']}, {report['data']}. The ideal's processes keep freed memory for the next step as "
+             "sn_trainer's workers do (glibc's malloc). Samples/s (tokens/s for the GPT) are medians over rounds "
              "[min-max].", "",
              "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | ideal in lockstep | sn/plain | sn/DDP "
              "| sn/ideal | DDP/ideal | lockstep/ideal | sn/lockstep | sn 1->W | sn GFLOP/s (of peak) |",
@@ -544,18 +552,19 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['case']} | {k * med['sn']:.0f} [{k * mm['sn'][0]:.0f}-{k * mm['sn'][1]:.0f}] | "
                      f"{k * med['sn_inline']:.0f} [{k * mm['sn_inline'][0]:.0f}-{k * mm['sn_inline'][1]:.0f}] | "
                      f"{r['inline_over_sn']:.2f} |")
-    lines.append("\nEvery variant with its best launch, same run: plain PyTorch, the ideal and sn_trainer each with "
-                 "every allocator, with GNU's OpenMP and with Intel's (`_intel`), plain PyTorch and DDP also "
-                 "launched by PyTorch's `python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel "
-                 "OpenMP, cores and threads set by it); samples/s, the best launch named:\n\n"
-                 "| case | plain, best launch | DDP, run_cpu | ideal, best | sn_trainer, best (tuned runtime) "
-                 "| sn / best plain | ideal / best plain |\n|---|---|---:|---|---|---:|---:|")
-    for r in report["rows"]:
-        rt = r.get("runtimes")
-        if rt:
-            lines.append(f"| {r['case']} | {rt['best_plain'][1]:.0f} ({rt['best_plain'][0]}) | {rt['ddp_cpu']:.0f} "
-                         f"| {rt['best_ideal'][1]:.0f} ({rt['best_ideal'][0]}) | {rt['best_sn'][1]:.0f} "
-                         f"({rt['best_sn'][0]}) | {rt['sn_over_best_plain']:.2f} | {rt['ideal_over_best_plain']:.2f} |")
+    launched = [r for r in report["rows"] if r.get("runtimes")]
+    if launched:
+        lines.append("\nEvery variant with its best launch, same run: plain PyTorch, the ideal and sn_trainer each "
+                     "with every allocator, with GNU's OpenMP and with Intel's (`_intel`), plain PyTorch and DDP also "
+                     "launched by PyTorch's `python -m torch.backends.xeon.run_cpu` (its defaults: tcmalloc, Intel "
+                     "OpenMP, cores and threads set by it); samples/s, the best launch named:\n\n"
+                     "| case | plain, best launch | DDP, run_cpu | ideal, best | sn_trainer, best (tuned runtime) "
+                     "| sn / best plain | ideal / best plain |\n|---|---|---:|---|---|---:|---:|")
+    for r in launched:
+        rt = r["runtimes"]
+        lines.append(f"| {r['case']} | {rt['best_plain'][1]:.0f} ({rt['best_plain'][0]}) | {rt['ddp_cpu']:.0f} "
+                     f"| {rt['best_ideal'][1]:.0f} ({rt['best_ideal'][0]}) | {rt['best_sn'][1]:.0f} "
+                     f"({rt['best_sn'][0]}) | {rt['sn_over_best_plain']:.2f} | {rt['ideal_over_best_plain']:.2f} |")
     peak = report["matmul_peak_gflops"]
     lines.append("\nMatmul peak measured in the same run (1024x1024, one pinned process per core): "
                  + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()) + ". GFLOP/s count the nominal "
