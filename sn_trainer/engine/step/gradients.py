@@ -38,8 +38,10 @@ class Gradients:
         the gradients over the workers; ``round_`` counts phases over the run (the board's turn),
         ``digest`` is the source's of the global batch read (compared with the peers' on the board)."""
         # Cleared here, not after the update: with comm=shm, peers read this buffer until the
-        # barrier that closed the previous phase or step.
-        self.reducer.grad_flat.zero_()
+        # barrier that closed the previous phase or step. Timed as the backward's, as a plain loop's
+        # zero_grad is its own: clearing a row the peers have just read is no small part of a short step.
+        with timer("backward"):
+            self.reducer.grad_flat.zero_()
         self.reached.start()
         loss_sum = count = 0.0
         step = round_ // len(self.shared.phases)
