@@ -333,9 +333,10 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
         # A global batch is done when its last slice is: like DDP's and sn_trainer's, the
         # ideal's rate is the slowest process's (summing each process's own rate would credit
         # the time one of them runs on after the other has stopped).
-        with preloaded(runtime_of(variant)):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
-            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, runtime_of(variant).allocator,
-                                start_line, step_line, data))
+        runtime = runtime_of(variant)
+        with preloaded(runtime):  # ideal_tcmalloc_intel: the ideal with that allocator and OpenMP
+            seconds = max(spawn(ideal_worker, workers, case, timing, pinning, runtime.allocator, start_line,
+                                step_line, data))
         return case.batch * timing.steps / seconds
     runtime = runtime_of(variant) if variant not in OTHER_FIGURES else default_runtime()
     result = Trainer(workers=workers, threads=1, batch_size=case.batch, max_steps=timing.warmup + timing.steps,

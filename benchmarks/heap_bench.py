@@ -69,10 +69,11 @@ def cases(tiny: bool = False) -> list:
 def child(kind: str, label: str, mode: str, workers: int, steps: int, warmup: int) -> dict:
     """One figure, measured in a fresh process with glibc's environment of ``mode``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    # sn_trainer's workers keep freed memory themselves; plain PyTorch's processes are told by the environment.
+    # sn_trainer's workers and the ideal's processes (bench.ideal_worker) keep freed memory themselves where
+    # the environment sets nothing of glibc's malloc; one process of plain PyTorch is told by the environment.
     if mode == "shipped":
         env.update(SHIPPED_ENV)
-    elif kind != "sn":
+    elif kind == "one":
         from sn_trainer.node.runtime import kept_malloc_environment
 
         env.update(kept_malloc_environment())
