@@ -9,7 +9,12 @@
            measures that alone);
 (e) ideal in lockstep: the same, meeting at a barrier (multiprocessing's) before each update and
            moving no data: the ceiling of synchronous data parallelism, where every step waits for
-           the slowest worker's step.
+           the slowest worker's step;
+(f) ideal over shared memory: W pinned processes training ONE set of parameters held once in
+           shared memory, each summing its shard of the gradient rows (sn_trainer's shared-memory
+           reducer, alone) and updating that shard with its own optimizer, in a plain loop: what
+           the design costs where the cores exchange a step's gradients and weights, with
+           nothing else of sn_trainer's (its data feed, bookkeeping, checks and stage timers).
 Every image case runs in fp32 with contiguous tensors, in fp32 with channels_last (sn_trainer's
 default for conv nets without batch norm, given to every variant alike), and in bf16 with
 channels_last; batch-norm nets also with sn_trainer's sync_batchnorm (its cost); a small GPT
@@ -20,7 +25,7 @@ thread as prefetch=auto decides (what the thread costs or gains on one core), ac
 memory of whole process trees (launcher and workers, the dataset made once and shared the
 same way in each), resnet18, sn vs DDP.
 
-    python benchmarks/bench.py              # the full table (about 25 minutes on 2 cores)
+    python benchmarks/bench.py              # the full table (about 30 minutes on 2 cores)
     python benchmarks/bench.py --cases 'lenet b64 cl,gpt b32' --rounds 2   # some rows
 """
 from __future__ import annotations
@@ -54,17 +59,20 @@ from sn_trainer.models import build_model
 from sn_trainer.models.gpt import GPT as GPTModel
 from sn_trainer.models.gpt import language_model_step
 from sn_trainer.node.cpu import bf16_supported
+from sn_trainer.engine.collectives.in_node import ShmReducer, ShmShared
+from sn_trainer.engine.collectives.reducer import ReducerSetup
 from sn_trainer.engine.memory.peak import pss_bytes
+from sn_trainer.recipe.flat_layout import FlatLayout
 
 import harness
 
 SHAPES = {"lenet": (1, 28, 28), "cifar10_quick": (3, 32, 32), "cifar10_quick_bn": (3, 32, 32),
           "resnet18": (3, 64, 64)}
 GPT = {"vocab": 96, "block": 64, "n_layer": 3, "n_head": 4, "n_embd": 128}  # the gpt_text preset's size
-VARIANTS = ("plain", "ddp", "sn", "ideal", "ideal_lockstep")
+VARIANTS = ("plain", "ddp", "sn", "ideal", "ideal_lockstep", "ideal_shared")
 # Variants whose name's suffix is no runtime (``sn_jemalloc_intel`` is sn_trainer launched with one):
 # other figures of a row, never a launch of their variant.
-OTHER_FIGURES = frozenset({"ideal_lockstep", "sn_sync", "sn_1worker", "sn_inline"})
+OTHER_FIGURES = frozenset({"ideal_lockstep", "ideal_shared", "sn_sync", "sn_1worker", "sn_inline"})
 RESULT = "bench"
 
 
@@ -192,6 +200,48 @@ def ideal_worker(rank, case, timing, pinning, allocator, start_line, step_line, 
     keep_freed_memory(allocator)  # as sn_trainer's workers: the ceiling runs on the same heap
     lo, hi = slice_bounds(case.batch, len(pinning), rank)
     queue.put(timed_loop(make_model(case), data, hi - lo, timing, case, start_line=start_line, step_line=step_line))
+
+
+def shared_worker(rank, case, timing, pinning, allocator, start_line, flat, rows, data, queue):
+    """(f): this process's slice of each global batch through the one model whose parameters all the
+    processes share (``flat``); its shard of the summed gradient (``rows``: sn_trainer's shared-memory
+    reducer's) updated by its own optimizer; a barrier before the next step reads the weights."""
+    _pin(pinning[rank], 1)
+    keep_freed_memory(allocator)
+    model, workers = make_model(case), len(pinning)
+    if case.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    layout = FlatLayout(model, workers, channels_last=case.channels_last)
+    layout.bind(model, flat)  # the launcher copied the first model's values in
+    shard = layout.shards[rank]
+    reducer = ShmReducer(ReducerSetup(rank, workers, shard, layout.padded_numel, flat.dtype, store_path="",
+                                      mode="sum", timeout_s=300.0, shared=rows))
+    layout.attach_gradients(model, reducer.grad_flat)
+    piece = torch.nn.Parameter(flat[shard.start : shard.stop])
+    piece.grad = reducer.shard_grad
+    opt = sgd()([piece])
+    inputs, targets = data.tensors
+    lo, hi = slice_bounds(case.batch, workers, rank)
+    generator, start = torch.Generator().manual_seed(1), 0.0
+    for step in range(timing.warmup + timing.steps):
+        if step == timing.warmup:
+            start_line.wait()
+            start = time.perf_counter()
+        idx = torch.randint(0, len(inputs), (hi - lo,), generator=generator)
+        x = inputs[idx]
+        if case.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        reducer.grad_flat.zero_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+            out = model(x)
+        batch_loss(case, out, targets[idx]).backward()
+        reducer.reduce()
+        reducer.shard_grad.div_(workers)  # the mean of the slices' mean gradients
+        opt.step()
+        reducer.barrier()  # nobody reads weights still being written
+    seconds = time.perf_counter() - start
+    reducer.close()
+    queue.put(seconds)
 
 
 def matmul_peak_worker(rank, dtype, pinning, start_line, queue):
@@ -327,6 +377,8 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
     if variant == "ddp":
         with tempfile.TemporaryDirectory() as tmp:
             return spawn(ddp_worker, workers, case, timing, pinning, f"{tmp}/store", data)[0]
+    if variant == "ideal_shared":
+        return case.batch * timing.steps / shared_seconds(case, workers, timing, pinning, data)
     if variant.startswith("ideal"):
         start_line = mp.get_context("spawn").Barrier(workers)
         step_line = mp.get_context("spawn").Barrier(workers) if variant == "ideal_lockstep" else None
@@ -346,6 +398,21 @@ def measure(variant: str, case: Case, workers: int, timing: Timing, topology, da
                      log_every=10**9, verify_every=0).fit(  # speed alone: verify_cost.md has a check's
         make_model(case), data, optimizer=sgd(), step_fn=language_model_step if case.model == "gpt" else None)
     return result.samples_per_sec
+
+
+def shared_seconds(case: Case, workers: int, timing: Timing, pinning, data) -> float:
+    """(f)'s timed seconds: the slowest process's, as the ideal's. The parameters and the gradient rows are
+    made here, before the processes start, as sn_trainer's launcher makes them."""
+    model = make_model(case)
+    layout = FlatLayout(model, workers, channels_last=case.channels_last)
+    flat = torch.zeros(layout.padded_numel).share_memory_()
+    layout.bind(model, flat, copy_values=True)
+    rows = ShmShared.allocate(workers, layout.padded_numel, flat.dtype)
+    try:
+        return max(spawn(shared_worker, workers, case, timing, pinning, "system", mp.get_context("spawn").Barrier(
+            workers), flat, rows, data))
+    finally:
+        rows.release()
 
 
 def matmul_peak(dtype, workers, topology) -> float:
@@ -490,6 +557,8 @@ def main() -> None:
                      "sn_over_ideal": med["sn"] / med["ideal"], "ddp_over_ideal": med["ddp"] / med["ideal"],
                      "sn_over_lockstep": med["sn"] / med["ideal_lockstep"],
                      "lockstep_over_ideal": med["ideal_lockstep"] / med["ideal"],
+                     "sn_over_shared": med["sn"] / med["ideal_shared"],
+                     "shared_over_ideal": med["ideal_shared"] / med["ideal"],
                      "sn_over_fp32_plain": med["sn"] / statistics.median(fp32_plain) if fp32_plain else None,
                      "sn_scaling_1_to_w": med["sn"] / med["sn_1worker"],
                      "sync_bn_over_sn": med["sn_sync"] / med["sn"] if "sn_sync" in med else None,
@@ -518,16 +587,18 @@ def markdown(report: dict) -> str:
              f"{report['optimizer']}, {report['data']}. The ideal's processes keep freed memory for the next step as "
              "sn_trainer's workers do (glibc's malloc). Samples/s (tokens/s for the GPT) are medians over rounds "
              "[min-max].", "",
-             "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | ideal in lockstep | sn/plain | sn/DDP "
-             "| sn/ideal | DDP/ideal | lockstep/ideal | sn/lockstep | sn 1->W | sn GFLOP/s (of peak) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | per-worker batch | plain | DDP-gloo | sn_trainer | ideal | ideal in lockstep "
+             "| ideal over shared memory | sn/plain | sn/DDP | sn/ideal | DDP/ideal | lockstep/ideal | sn/lockstep "
+             "| shared/ideal | sn/shared | sn 1->W | sn GFLOP/s (of peak) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         med, mm, k = r["median"], r["min_max"], r["per_sample"]
         cell = {v: f"{k * med[v]:.0f} [{k * mm[v][0]:.0f}-{k * mm[v][1]:.0f}]" for v in VARIANTS}
         lines.append(f"| {r['case']} | {r['per_worker_batch']:g} | {cell['plain']} | {cell['ddp']} | {cell['sn']} "
-                     f"| {cell['ideal']} | {cell['ideal_lockstep']} | {r['sn_over_plain']:.2f} | {r['sn_over_ddp']:.2f} "
-                     f"| {r['sn_over_ideal']:.2f} | {r['ddp_over_ideal']:.2f} | {r['lockstep_over_ideal']:.2f} "
-                     f"| {r['sn_over_lockstep']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
+                     f"| {cell['ideal']} | {cell['ideal_lockstep']} | {cell['ideal_shared']} | {r['sn_over_plain']:.2f} "
+                     f"| {r['sn_over_ddp']:.2f} | {r['sn_over_ideal']:.2f} | {r['ddp_over_ideal']:.2f} "
+                     f"| {r['lockstep_over_ideal']:.2f} | {r['sn_over_lockstep']:.2f} | {r['shared_over_ideal']:.2f} "
+                     f"| {r['sn_over_shared']:.2f} | {r['sn_scaling_1_to_w']:.2f}x | {r['sn_gflops']:.1f} "
                      f"({100 * r['sn_fraction_of_peak']:.0f}%) |")
     as_shipped = [r for r in report["rows"] if r["channels_last"] and r["sn_over_fp32_plain"] is not None]
     if as_shipped:  # rows whose contiguous fp32 plain PyTorch ran too
