@@ -136,6 +136,22 @@ def sgd():
 
 # --- the loop every baseline runs: plain PyTorch, nothing of sn_trainer's ----------------------
 
+def random_batch(inputs, targets, batch: int, generator, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` samples drawn at random, as every plain loop here reads its batch."""
+    idx = torch.randint(0, len(inputs), (batch,), generator=generator)
+    x = inputs[idx]
+    if case.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, targets[idx]
+
+
+def step_loss(case: Case, net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward pass and the loss, in the case's precision."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+        out = net(x)
+    return batch_loss(case, out, y)
+
+
 def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, start_line=None,
                step_line=None) -> float:
     """Train ``timing.warmup`` + ``timing.steps`` steps on ``batch`` samples each; seconds of the latter.
@@ -152,14 +168,9 @@ def timed_loop(model, data, batch, timing: Timing, case: Case, ddp_model=None, s
             if start_line is not None:
                 start_line.wait()
             start = time.perf_counter()
-        idx = torch.randint(0, len(inputs), (batch,), generator=generator)
-        x = inputs[idx]
-        if case.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x, y = random_batch(inputs, targets, batch, generator, case)
         opt.zero_grad(set_to_none=False)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
-            out = net(x)
-        batch_loss(case, out, targets[idx]).backward()
+        step_loss(case, net, x, y).backward()
         if step_line is not None:
             step_line.wait()
         opt.step()
@@ -227,14 +238,9 @@ def shared_worker(rank, case, timing, pinning, allocator, start_line, flat, rows
         if step == timing.warmup:
             start_line.wait()
             start = time.perf_counter()
-        idx = torch.randint(0, len(inputs), (hi - lo,), generator=generator)
-        x = inputs[idx]
-        if case.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x, y = random_batch(inputs, targets, hi - lo, generator, case)
         reducer.grad_flat.zero_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
-            out = model(x)
-        batch_loss(case, out, targets[idx]).backward()
+        step_loss(case, model, x, y).backward()
         reducer.reduce()
         reducer.shard_grad.div_(workers)  # the mean of the slices' mean gradients
         opt.step()
@@ -409,8 +415,8 @@ def shared_seconds(case: Case, workers: int, timing: Timing, pinning, data) -> f
     layout.bind(model, flat, copy_values=True)
     rows = ShmShared.allocate(workers, layout.padded_numel, flat.dtype)
     try:
-        return max(spawn(shared_worker, workers, case, timing, pinning, "system", mp.get_context("spawn").Barrier(
-            workers), flat, rows, data))
+        return max(spawn(shared_worker, workers, case, timing, pinning, default_runtime().allocator,
+                         mp.get_context("spawn").Barrier(workers), flat, rows, data))
     finally:
         rows.release()
 

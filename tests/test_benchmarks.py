@@ -141,8 +141,8 @@ def test_case_labels_name_precision_and_layout():
 @pytest.mark.unit
 def test_the_best_launch_table_picks_each_variants_fastest_launch():
     med = {"plain": 100.0, "plain_cpu": 120.0, "ddp": 90.0, "ddp_cpu": 95.0, "ideal": 130.0, "ideal_tcmalloc": 140.0,
-           "ideal_lockstep": 150.0, "ideal_shared": 160.0, "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0, "sn_sync": 400.0,
-           "sn_inline": 450.0}
+           "ideal_lockstep": 150.0, "ideal_shared": 160.0, "sn": 125.0, "sn_jemalloc": 132.0, "sn_1worker": 500.0,
+           "sn_sync": 400.0, "sn_inline": 450.0}
     runtimes = bench._runtimes(med)
     # The ideal in lockstep and over shared memory are other ceilings, not launches of the ideal.
     assert runtimes["best_plain"] == ("plain_cpu", 120.0) and runtimes["best_ideal"] == ("ideal_tcmalloc", 140.0)
